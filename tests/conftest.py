@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch="llama", **config_overrides) -> Path of a random HF folder, built once per session."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    made: dict[tuple, Path] = {}
+
+    def build(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return made[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model) -> Path:
+    return tiny_model("llama")

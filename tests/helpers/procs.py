@@ -1,0 +1,67 @@
+"""Real processes on 127.0.0.1 for tests: free ports, start a server, wait until it answers, stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`with ServerProcess([...python args...], health_url) as p:`; logs go to log_path, shown on failure."""
+
+    def __init__(self, args: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout_s: float = 120):
+        self.args, self.health_url, self.log_path, self.timeout_s = args, health_url, Path(log_path), timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(self.health_url, timeout=1, verify=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {self.timeout_s}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if hasattr(self, "log"):
+            self.log.close()
+        return self.proc.returncode if self.proc else None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
