@@ -15,26 +15,28 @@ import torch.nn.functional as F
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """key/value: [num_tokens, num_kv_heads, head_dim] -> written into the paged cache at slot_mapping."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    if bool((slot_mapping < 0).any()):  # padding rows are rare: mask only when there are some
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_context_len: int) -> torch.Tensor:
     """[num_seqs, max_blocks] block ids -> [num_seqs, max_context_len, num_kv_heads, head_dim] (padded rows are garbage)."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_context_len // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    gathered = cache[tables]  # [S, nb, bs, H, D]
-    return gathered.flatten(1, 2)[:, :max_context_len]
+    num_blocks, block_size = cache.shape[:2]
+    used = -(-max_context_len // block_size)
+    ids = block_tables[:, :used].flatten().long()
+    # index_select over whole blocks is one memcpy per block (advanced indexing is several times slower)
+    gathered = cache.view(num_blocks, -1).index_select(0, ids)
+    return gathered.view(block_tables.shape[0], used * block_size, *cache.shape[2:])[:, :max_context_len]
 
 
 def paged_attention_decode(
@@ -49,14 +51,15 @@ def paged_attention_decode(
     """query: [num_seqs, num_heads, head_dim], one token per sequence (the last position) -> same shape."""
     if max_context_len is None:
         max_context_len = int(context_lens.max())
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
     k = gather_kv(k_cache, block_tables, max_context_len).transpose(1, 2)  # [S, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, max_context_len).transpose(1, 2)
     valid = torch.arange(max_context_len, device=query.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2).to(k.dtype), k, v, attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=k.shape[1] != query.shape[1],
-    )
-    return out.squeeze(2).to(query.dtype)
+    # GQA without repeating K/V: the query heads sharing a kv head become that head's query rows
+    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -79,29 +82,33 @@ def paged_prefill_attention(
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
+    gqa = k_cache.shape[2] != query.shape[1]
     for i, ctx in enumerate(lens):
         q0, q1 = starts[i], starts[i + 1]
         q_len = q1 - q0
         k = gather_kv(k_cache, block_tables[i : i + 1], ctx)[0].transpose(0, 1)  # [Hkv, L, D]
         v = gather_kv(v_cache, block_tables[i : i + 1], ctx)[0].transpose(0, 1)
         q = query[q0:q1].transpose(0, 1).to(k.dtype)  # [H, q_len, D]
-        pos_q = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
-        allowed = torch.arange(ctx, device=query.device)[None, :] <= pos_q
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=k.shape[0] != q.shape[0])
-        out[q0:q1] = o.transpose(0, 1).to(query.dtype)
+        if q_len == ctx:  # nothing cached before this chunk: plain causal, no mask to build
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            pos_q = torch.arange(ctx - q_len, ctx, device=query.device)[:, None]
+            allowed = torch.arange(ctx, device=query.device)[None, :] <= pos_q
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        out[q0:q1] = o.transpose(0, 1)
     return out
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual) normalised; returns (normed, new residual) so layers can chain the fused form."""
+    """(x + residual) normalised; returns (normed, new residual) so layers can chain the fused form.
+    Rounds like transformers' RMSNorm: normalise in float32, cast to x's dtype, then multiply by the weight."""
     if residual is not None:
         x = x + residual
-    residual = x
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed.to(x.dtype) * weight), residual
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op, same values
+        return F.rms_norm(x, x.shape[-1:], weight, eps), x
+    return F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype) * weight, x
 
 
 def rotary_embedding(
@@ -109,11 +116,10 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (half-split) rotary as in HF Llama. query: [N, H, D], key: [N, Hkv, D];
     cos_sin_cache: [max_pos, D] = cat(cos[:, :D/2], sin[:, :D/2]) in float32."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    return rotate(query), rotate(key)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -47,7 +47,9 @@ class OpenAIError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
         if self.type is None:
-            self.type = TYPE_BY_STATUS.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+            self.type = TYPE_BY_STATUS.get(
+                self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+            )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -60,7 +62,12 @@ class OpenAIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n".encode()
 
 
-def error_body(message: str, type: str | None = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    type: str | None = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -98,7 +105,9 @@ def overloaded(message: str, retry_after_s: float, code: str = "overloaded") -> 
 
 
 def payload_too_large(limit: int) -> OpenAIError:
-    return OpenAIError(413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large")
+    return OpenAIError(
+        413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
+    )
 
 
 def server_error(message: str = "The server had an error while processing your request.") -> OpenAIError:

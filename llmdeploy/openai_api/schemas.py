@@ -111,3 +111,23 @@ class CompletionRequest(SamplingFields):
     @property
     def output_limit(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(Tolerant):
+    """vLLM's /tokenize: a plain prompt, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Tolerant):
+    model: str | None = None
+    tokens: list[int]

@@ -1,5 +1,6 @@
 """The deployment spec: pydantic models of the YAML (models.py) and the file loader with positions (loader.py)."""
 
+from llmdeploy.spec.loader import SpecFileError, SpecIssue, SpecResult, load_spec_file, load_spec_text
 from llmdeploy.spec.models import (
     APIKeySpec,
     AuthSpec,
@@ -11,6 +12,7 @@ from llmdeploy.spec.models import (
     ParallelSpec,
     RolloutSpec,
     RoutingSpec,
+    RuleError,
     SLASpec,
     is_loopback,
     split_listen,
@@ -27,7 +29,13 @@ __all__ = [
     "ParallelSpec",
     "RolloutSpec",
     "RoutingSpec",
+    "RuleError",
     "SLASpec",
+    "SpecFileError",
+    "SpecIssue",
+    "SpecResult",
     "is_loopback",
+    "load_spec_file",
+    "load_spec_text",
     "split_listen",
 ]

@@ -14,14 +14,32 @@ SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class RuleError(ValueError):
+    """A broken cross-field rule. `field` is the key it is reported at and `involves` the other keys it reads
+    (dotted, relative to the model): the loader points at that key's line and stays quiet about a rule fed by
+    a value that is already reported as wrong."""
+
+    def __init__(self, message: str, field: str | None = None, involves: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.field, self.involves = field, involves
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never meant: they would slip past gt=0 and break arithmetic downstream
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(Section):
-    path: str = Field("builtin:smollm2-135m-instruct", description="HF folder (safetensors), a .gguf file, or builtin:<name>")
-    served_alias: str = Field("chat-model-v1", description="what clients send as `model`; anything else gets 404")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: bfloat16 on CUDA, the measured faster one on CPU")
+    path: str = Field(
+        "builtin:smollm2-135m-instruct",
+        description="HF folder (safetensors), a .gguf file, or builtin:<name>",
+    )
+    served_alias: str = Field(
+        "chat-model-v1", description="what clients send as `model`; anything else gets 404"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA, the measured faster one on CPU"
+    )
     max_model_len: int = Field(2048, ge=16, description="longest prompt + completion in tokens")
 
     @field_validator("path")
@@ -37,7 +55,9 @@ class ModelSpec(Section):
         if not v:
             raise ValueError("must not be empty")
         if not URL_SAFE.match(v):
-            raise ValueError("must be URL-safe: letters, digits and . _ ~ : - (starting with a letter or digit)")
+            raise ValueError(
+                "must be URL-safe: letters, digits and . _ ~ : - (starting with a letter or digit)"
+            )
         return v
 
 
@@ -48,7 +68,8 @@ class TLSSpec(Section):
     @model_validator(mode="after")
     def _both_or_neither(self) -> TLSSpec:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file must be given together")
+            given = "cert_file" if self.cert_file is not None else "key_file"
+            raise RuleError("cert_file and key_file must be given together", given, ("cert_file", "key_file"))
         return self
 
     @property
@@ -57,7 +78,9 @@ class TLSSpec(Section):
 
 
 class LoggingSpec(Section):
-    level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level of daemon, router and engines")
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="log level of daemon, router and engines"
+    )
     bodies: bool = Field(False, description="log prompt and completion text (off: only sizes and timings)")
 
 
@@ -95,13 +118,18 @@ class APIKeySpec(Section):
     @model_validator(mode="after")
     def _exactly_one_source(self) -> APIKeySpec:
         if (self.key_env is None) == (self.key is None):
-            raise ValueError("give exactly one of key_env or key (sha256:...)")
+            field = "key" if self.key is not None else None
+            raise RuleError("give exactly one of key_env or key (sha256:...)", field, ("key_env", "key"))
         return self
 
 
 class AuthSpec(Section):
-    api_key_required: bool = Field(True, description="clients must send a key (Authorization: Bearer or api-key)")
-    keys: list[APIKeySpec] = Field(default_factory=list, description="accepted keys, each from an env var or a sha256 hash")
+    api_key_required: bool = Field(
+        True, description="clients must send a key (Authorization: Bearer or api-key)"
+    )
+    keys: list[APIKeySpec] = Field(
+        default_factory=list, description="accepted keys, each from an env var or a sha256 hash"
+    )
     metrics_public: bool = Field(False, description="serve /metrics without a key")
 
     @model_validator(mode="after")
@@ -109,26 +137,34 @@ class AuthSpec(Section):
         names = [k.name for k in self.keys]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"key names must be unique: {', '.join(dupes)}")
+            raise RuleError(f"key names must be unique: {', '.join(dupes)}", "keys")
         return self
 
 
 class ParallelSpec(Section):
     replicas: int = Field(1, ge=1, description="data-parallel engine copies")
     tensor_parallel: int = Field(1, ge=1, description="ranks per replica (gloo on CPU, NCCL on CUDA)")
-    backend: Literal["local", "ray"] = Field("local", description="local processes, or ray (replicas on a Ray cluster)")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local processes, or ray (replicas on a Ray cluster)"
+    )
     ray_address: str | None = Field(None, description="e.g. ray://head:10001 when backend is ray")
 
 
 class EngineSpec(Section):
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV cache block")
     max_num_seqs: int = Field(64, ge=1, description="sequences in one batch at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens in one step at most (prefill chunks + decodes)"
+    )
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache size on CPU, in GiB")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory for weights + activations + KV on CUDA")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="share of GPU memory for weights + activations + KV on CUDA"
+    )
     prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    kernel_backend: Literal["auto", "torch", "triton"] = Field("auto", description="auto: triton on CUDA, torch on CPU")
+    kernel_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: triton on CUDA, torch on CPU"
+    )
     seed: int = Field(0, description="default sampling seed of the engine")
 
     @field_validator("block_size")
@@ -141,26 +177,37 @@ class EngineSpec(Section):
     @model_validator(mode="after")
     def _batch_holds_a_block(self) -> EngineSpec:
         if self.max_num_batched_tokens < self.block_size:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= block_size ({self.block_size})"
+            raise RuleError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= block_size ({self.block_size}): "
+                "a step must hold at least one KV block",
+                "max_num_batched_tokens",
+                ("block_size",),
             )
         return self
 
 
 class SLASpec(Section):
-    ttft_p99_ms: float = Field(1000, gt=0, description="time to first token, p99 target; predicted misses overflow to the cloud")
+    ttft_p99_ms: float = Field(
+        1000, gt=0, description="time to first token, p99 target; predicted misses overflow to the cloud"
+    )
     tpot_p99_ms: float = Field(200, gt=0, description="time per output token, p99 target")
 
 
 class CloudSpec(Section):
     enabled: bool = Field(False, description="send overflow, bursts and failures to this endpoint")
-    provider: Literal["qianfan", "openai-compatible"] = Field("qianfan", description="qianfan (Baidu Qianfan v2) or any OpenAI-compatible API")
+    provider: Literal["qianfan", "openai-compatible"] = Field(
+        "qianfan", description="qianfan (Baidu Qianfan v2) or any OpenAI-compatible API"
+    )
     base_url: str | None = Field(None, description="e.g. https://qianfan.baidubce.com/v2")
-    api_key_env: str | None = Field(None, description="environment variable holding the cloud key (never the key itself)")
+    api_key_env: str | None = Field(
+        None, description="environment variable holding the cloud key (never the key itself)"
+    )
     model: str | None = Field(None, description="model name at the provider; the alias is rewritten to it")
     timeout_s: float = Field(60, gt=0, description="read timeout per request")
     connect_timeout_s: float = Field(5, gt=0, description="connect timeout")
-    max_retries: int = Field(2, ge=0, le=10, description="retries before the first token (connect errors, 429, 5xx)")
+    max_retries: int = Field(
+        2, ge=0, le=10, description="retries before the first token (connect errors, 429, 5xx)"
+    )
     ca_file: str | None = Field(None, description="extra CA bundle for the cloud's certificate")
 
     @field_validator("base_url")
@@ -182,17 +229,25 @@ class CloudSpec(Section):
         if self.enabled:
             missing = [f for f in ("base_url", "api_key_env") if getattr(self, f) is None]
             if missing:
-                raise ValueError(f"cloud.enabled requires {' and '.join(missing)}")
+                raise RuleError(
+                    f"enabled: true requires {' and '.join(missing)} (the key itself stays in that environment variable)",
+                    "enabled",
+                    ("base_url", "api_key_env"),
+                )
         return self
 
 
 class OverflowSpec(Section):
     max_queue_depth: int = Field(64, ge=0, description="waiting requests beyond this overflow to the cloud")
-    use_predicted_ttft: bool = Field(True, description="overflow when the predicted TTFT would break sla.ttft_p99_ms")
+    use_predicted_ttft: bool = Field(
+        True, description="overflow when the predicted TTFT would break sla.ttft_p99_ms"
+    )
 
 
 class BurstSpec(Section):
-    local_rps: float = Field(20, gt=0, description="local arrival rate (token bucket); excess goes to the cloud")
+    local_rps: float = Field(
+        20, gt=0, description="local arrival rate (token bucket); excess goes to the cloud"
+    )
 
 
 class BreakerSpec(Section):
@@ -206,21 +261,29 @@ class RoutingSpec(Section):
     overflow: OverflowSpec = Field(default_factory=OverflowSpec)
     burst: BurstSpec = Field(default_factory=BurstSpec)
     breaker: BreakerSpec = Field(default_factory=BreakerSpec)
-    local_wait_s: float = Field(30, ge=0, description="how long a request that may not leave the machine waits locally before 503")
+    local_wait_s: float = Field(
+        30, ge=0, description="how long a request that may not leave the machine waits locally before 503"
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request bodies over this get 413")
 
 
 class AutoRollbackSpec(Section):
     enabled: bool = Field(True, description="roll the candidate back by itself when it breaks these limits")
-    max_error_rate: float = Field(0.05, ge=0, le=1, description="candidate error rate that triggers a rollback")
+    max_error_rate: float = Field(
+        0.05, ge=0, le=1, description="candidate error rate that triggers a rollback"
+    )
     max_ttft_p99_ms: float = Field(3000, gt=0, description="candidate TTFT p99 that triggers a rollback")
     min_requests: int = Field(20, ge=1, description="requests in the window before judging")
     window_s: float = Field(60, gt=0, description="sliding window in seconds")
 
 
 class RolloutSpec(Section):
-    canary_percent: float = Field(0, ge=0, le=100, description="share of traffic for a new revision once it is ready")
-    sticky_header: str = Field("x-session-id", description="requests with the same value stay on one revision")
+    canary_percent: float = Field(
+        0, ge=0, le=100, description="share of traffic for a new revision once it is ready"
+    )
+    sticky_header: str = Field(
+        "x-session-id", description="requests with the same value stay on one revision"
+    )
     auto_rollback: AutoRollbackSpec = Field(default_factory=AutoRollbackSpec)
 
     @field_validator("sticky_header")
@@ -249,7 +312,9 @@ class DeploymentSpec(Section):
     @classmethod
     def _name_ok(cls, v: str) -> str:
         if not NAME_SAFE.match(v):
-            raise ValueError("must be 1-63 characters of a-z, 0-9, '-' or '_', starting with a letter or digit")
+            raise ValueError(
+                "must be 1-63 characters of a-z, 0-9, '-' or '_', starting with a letter or digit"
+            )
         return v
 
     @field_validator("listen")
@@ -261,9 +326,11 @@ class DeploymentSpec(Section):
     @model_validator(mode="after")
     def _exposed_needs_auth(self) -> DeploymentSpec:
         if not is_loopback(self.listen_host) and not self.auth.api_key_required:
-            raise ValueError(
+            raise RuleError(
                 f"listen address {self.listen} is reachable from other machines: anyone there could use the "
-                "model (and spend cloud quota); set auth.api_key_required: true or listen on 127.0.0.1"
+                "model (and spend cloud quota); set auth.api_key_required: true or listen on 127.0.0.1",
+                "listen",
+                ("auth.api_key_required",),
             )
         return self
 

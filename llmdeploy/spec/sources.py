@@ -48,7 +48,9 @@ def resolve_model_source(path: str, base_dir: Path | None = None) -> ModelSource
         raise ModelSourceError(f"model path {path} does not exist (resolved to {p})")
     if p.is_file():
         if p.suffix.lower() != ".gguf":
-            raise ModelSourceError(f"model file {p} is not a .gguf file; give a Hugging Face folder or a .gguf file")
+            raise ModelSourceError(
+                f"model file {p} is not a .gguf file; give a Hugging Face folder or a .gguf file"
+            )
         return ModelSource("gguf", p, path)
     if not (p / "config.json").is_file():
         raise ModelSourceError(f"model folder {p} has no config.json (expected a Hugging Face model folder)")
@@ -73,4 +75,6 @@ def builtin_path(name: str) -> Path:
             located = Path(str(dist.locate_file(f))).resolve()
             if located.is_file():
                 return located
-    raise ModelSourceError(f"package {dist_name} is installed but {file_name} is missing from it; reinstall: {install}")
+    raise ModelSourceError(
+        f"package {dist_name} is installed but {file_name} is missing from it; reinstall: {install}"
+    )

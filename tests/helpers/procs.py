@@ -22,15 +22,31 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess([...python args...], health_url) as p:`; logs go to log_path, shown on failure."""
 
-    def __init__(self, args: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout_s: float = 120):
-        self.args, self.health_url, self.log_path, self.timeout_s = args, health_url, Path(log_path), timeout_s
+    def __init__(
+        self,
+        args: list[str],
+        health_url: str,
+        log_path: Path,
+        env: dict | None = None,
+        timeout_s: float = 120,
+    ):
+        self.args, self.health_url, self.log_path, self.timeout_s = (
+            args,
+            health_url,
+            Path(log_path),
+            timeout_s,
+        )
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 -- lives as long as the process
         self.proc = subprocess.Popen(
-            [sys.executable, *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            [sys.executable, *self.args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
         )
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:

@@ -29,12 +29,17 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
     )
     fast.chat_template = CHATML
@@ -59,10 +64,19 @@ def make_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrid
     tokenizer = make_tokenizer(out_dir)
     config_cls, model_cls, extra = ARCH_CONFIGS[arch]
     kwargs = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     kwargs.update(extra)
     kwargs.update(overrides)

@@ -1,0 +1,398 @@
+"""Engine child processes: one `python -m llmdeploy.engine` per replica on a free loopback port.
+
+Each replica has a monitor task: it polls /health (readiness), restarts a crashed engine with exponential
+backoff (the replica is unready meanwhile, so the router sends its share elsewhere), and gives up on a
+revision whose engines crash before ever becoming ready. Engines run in their own session so they outlive a
+killed daemon; pid + port are recorded in state.db and the next daemon re-adopts them when /proc shows the
+same process (our owner tag in its environment) and /health answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from llmdeploy.control.keys import referenced_env
+from llmdeploy.control.paths import DeploymentPaths
+from llmdeploy.control.state import EngineRecord, StateStore
+from llmdeploy.spec.models import DeploymentSpec
+
+log = logging.getLogger("llmdeploy.supervisor")
+OWNER_ENV = "LLMDEPLOY_ENGINE_OWNER"
+START_TIMEOUT_S = 900.0  # loading big weights on CPU is slow; past this a silent engine counts as crashed
+MAX_CRASHES_BEFORE_READY = 3
+BACKOFF_BASE_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 0.5, 30.0, 30.0
+UNHEALTHY_AFTER = 3  # failed probes in a row before a live engine is marked unready
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> list[str]:
+    m, e = spec.model, spec.engine
+    cmd = [
+        sys.executable, "-m", "llmdeploy.engine", "--model", m.path, "--served-alias", m.served_alias,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
+        "--block-size", str(e.block_size), "--max-num-seqs", str(e.max_num_seqs),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens), "--kv-cache-gb", str(e.kv_cache_gb),
+        "--device", e.device, "--kernel-backend", e.kernel_backend, "--seed", str(e.seed),
+    ]  # fmt: skip
+    cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization), "--log-level", spec.logging.level]
+    cmd += ["--drain-timeout", str(drain_s)]
+    if not e.prefix_caching:
+        cmd.append("--no-prefix-caching")
+    if spec.logging.bodies:
+        cmd.append("--log-bodies")
+    return cmd
+
+
+def backoff_s(consecutive_crashes: int) -> float:
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, consecutive_crashes - 1))
+
+
+def owner_tag(paths: DeploymentPaths, revision: int, replica: str) -> str:
+    return f"{paths.root}#{revision}/{replica}"
+
+
+def is_our_engine(pid: int, port: int, owner: str) -> bool:
+    """The pid still runs the engine we started there (not a recycled pid or someone else's server)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return (
+        b"llmdeploy.engine" in argv
+        and str(port).encode() in argv
+        and f"{OWNER_ENV}={owner}".encode() in environ
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def terminate(pid: int, drain_s: float) -> None:
+    """SIGTERM (the engine drains), then SIGKILL after drain_s. Blocking; engines lead their own group."""
+    for sig, wait_s in ((signal.SIGTERM, drain_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _reap_or_alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def _reap_or_alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass
+    return pid_alive(pid)
+
+
+def stop_recorded_engines(store: StateStore, paths: DeploymentPaths, drain_s: float = 20.0) -> int:
+    """Stop engines a dead daemon left behind (used by `down` when no daemon answers)."""
+    stopped = 0
+    for rec in store.engines():
+        if is_our_engine(rec.pid, rec.port, owner_tag(paths, rec.revision, rec.replica)):
+            terminate(rec.pid, drain_s)
+            stopped += 1
+        store.forget_engine(rec.revision, rec.replica)
+    return stopped
+
+
+@dataclass
+class Replica:
+    revision: int
+    name: str
+    spec: DeploymentSpec
+    port: int = 0
+    pid: int | None = None
+    proc: subprocess.Popen | None = None  # None when adopted from an earlier daemon
+    ready: bool = False
+    ever_ready: bool = False
+    failed: bool = False
+    phase: str = "starting"
+    restarts: int = 0
+    crashes: int = 0  # in a row, reset after BACKOFF_RESET_S of readiness
+    kv_tokens: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    ready_since: float | None = None
+    task: asyncio.Task | None = None
+    stopping: bool = False
+    restart_pending: bool = False
+    log_offset: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision, "replica": self.name, "url": self.url, "pid": self.pid, "ready": self.ready,
+            "phase": self.phase, "restarts": self.restarts, "kv_tokens": self.kv_tokens, "failed": self.failed,
+        }  # fmt: skip
+
+
+class Supervisor:
+    def __init__(
+        self,
+        paths: DeploymentPaths,
+        store: StateStore,
+        on_change: Callable[[], None],
+        event: Callable[..., None],
+    ):
+        self.paths, self.store, self.on_change, self.event = paths, store, on_change, event
+        self.replicas: dict[int, list[Replica]] = {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False)
+
+    # what the daemon reads
+    def revision_phase(self, revision: int) -> str:
+        """starting | ready (every replica answered at least once) | failed (a replica gave up)."""
+        reps = self.replicas.get(revision, [])
+        if any(r.failed for r in reps):
+            return "failed"
+        return "ready" if reps and all(r.ever_ready for r in reps) else "starting"
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for reps in self.replicas.values() for r in reps]
+
+    # lifecycle
+    def start_revision(self, revision: int, spec: DeploymentSpec, adopt: list[EngineRecord] = ()) -> None:
+        if revision in self.replicas:  # already supervised: a second set of monitors would fight the first
+            return
+        records = {rec.replica: rec for rec in adopt}
+        reps = [Replica(revision, f"r{i + 1}", spec) for i in range(spec.parallel.replicas)]
+        self.replicas[revision] = reps
+        for r in reps:
+            r.task = asyncio.create_task(
+                self._supervise(r, records.get(r.name)), name=f"engine-{revision}-{r.name}"
+            )
+
+    async def stop_revision(self, revision: int, drain_s: float = 20.0) -> None:
+        reps = self.replicas.pop(revision, [])
+        for r in reps:
+            r.stopping, r.ready = True, False
+            if r.task:
+                r.task.cancel()
+        self.on_change()
+        await asyncio.gather(*(self._stop(r, drain_s) for r in reps))
+
+    async def close(self, drain_s: float = 20.0) -> None:
+        await asyncio.gather(*(self.stop_revision(rev, drain_s) for rev in list(self.replicas)))
+        await self.http.aclose()
+
+    async def detach(self) -> None:
+        """Leave the engines running (the daemon is going away without `down`)."""
+        for r in self.all_replicas():
+            r.stopping = True
+            if r.task:
+                r.task.cancel()
+        await self.http.aclose()
+
+    async def _stop(self, r: Replica, drain_s: float) -> None:
+        if r.pid is not None:
+            await asyncio.to_thread(terminate, r.pid, drain_s)
+        self.store.forget_engine(r.revision, r.name)
+        r.phase = "stopped"
+
+    # the monitor loop of one replica
+    async def _supervise(self, r: Replica, record: EngineRecord | None) -> None:
+        try:
+            if record and is_our_engine(record.pid, record.port, owner_tag(self.paths, r.revision, r.name)):
+                r.pid, r.port, r.phase = record.pid, record.port, "adopted"
+                self.event(
+                    "engine-adopted", f"re-adopted engine {r.name} (pid {r.pid}, port {r.port})", r.revision
+                )
+            else:
+                self._spawn(r)
+            unhealthy = 0
+            while not r.stopping:
+                if not self._alive(r) or self._start_timed_out(r):
+                    if not await self._after_exit(r):
+                        return
+                    self._spawn(r)
+                    unhealthy = 0
+                    continue
+                healthy = await self._probe(r)
+                unhealthy = 0 if healthy else unhealthy + 1
+                if healthy and not r.ready:
+                    await self._became_ready(r)
+                elif not healthy and r.ready and unhealthy >= UNHEALTHY_AFTER:
+                    r.ready, r.phase = False, "not responding"
+                    log.warning("engine rev %s %s stopped answering /health", r.revision, r.name)
+                    self.on_change()
+                if (
+                    r.ready
+                    and r.crashes
+                    and r.ready_since
+                    and time.monotonic() - r.ready_since > BACKOFF_RESET_S
+                ):
+                    r.crashes = 0
+                await asyncio.sleep(1.0 if r.ready else 0.2)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not leave a replica silently unsupervised
+            log.exception("supervising engine rev %s %s failed", r.revision, r.name)
+            r.failed, r.ready, r.phase = True, False, "supervisor error"
+            self.on_change()
+
+    def _spawn(self, r: Replica) -> None:
+        r.port = free_port()
+        env = {
+            k: v for k, v in os.environ.items() if k not in referenced_env(r.spec)
+        }  # engines need no secrets
+        env[OWNER_ENV] = owner_tag(self.paths, r.revision, r.name)
+        log_path = self.paths.engine_log(r.revision, r.name)
+        with open(log_path, "ab") as out:
+            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {r.port}\n".encode())
+            out.flush()
+            r.log_offset, r.kv_tokens = out.tell(), None
+            r.proc = subprocess.Popen(
+                engine_command(r.spec, r.port), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, cwd=self.paths.root,
+            )  # fmt: skip
+        r.pid, r.started, r.ready, r.phase = r.proc.pid, time.monotonic(), False, "loading weights"
+        self.store.record_engine(r.revision, r.name, r.pid, r.port)
+        log.info("engine rev %s %s started: pid %s port %s", r.revision, r.name, r.pid, r.port)
+
+    def _alive(self, r: Replica) -> bool:
+        if r.proc is not None:
+            return r.proc.poll() is None
+        return r.pid is not None and pid_alive(r.pid)
+
+    def _start_timed_out(self, r: Replica) -> bool:
+        return not r.ever_ready and not r.ready and time.monotonic() - r.started > START_TIMEOUT_S
+
+    def _exit_description(self, r: Replica) -> str:
+        if r.proc is None or r.proc.returncode is None:
+            return "exited" if r.proc is None else "did not become ready in time"
+        code = r.proc.returncode
+        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    async def _after_exit(self, r: Replica) -> bool:
+        """Record the crash, wait the backoff; False when the replica gives up."""
+        how = self._exit_description(r)
+        if r.proc is not None and r.proc.poll() is None:  # hung at start: kill it before restarting
+            await asyncio.to_thread(terminate, r.pid, 2.0)
+        was_ready = r.ready
+        r.ready, r.crashes = False, r.crashes + 1
+        if was_ready:
+            self.on_change()
+        tail = _log_tail(self.paths.engine_log(r.revision, r.name))
+        if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY:
+            r.failed, r.phase = True, f"failed: {how}"
+            self.event(
+                "engine-failed", f"engine {r.name} {how} {r.crashes} times before becoming ready; giving up",
+                r.revision, {"pid": r.pid, "log_tail": tail},
+            )  # fmt: skip
+            self.store.forget_engine(r.revision, r.name)
+            self.on_change()
+            return False
+        delay = backoff_s(r.crashes)
+        r.phase = f"restarting in {delay:g}s ({how})"
+        self.event(
+            "engine-crash", f"engine {r.name} (pid {r.pid}) {how}; restart in {delay:g}s", r.revision,
+            {"pid": r.pid, "port": r.port, "crashes_in_a_row": r.crashes, "backoff_s": delay, "log_tail": tail},
+        )  # fmt: skip
+        await asyncio.sleep(delay)
+        r.restarts += 1
+        r.restart_pending = True
+        return not r.stopping
+
+    async def _probe(self, r: Replica) -> bool:
+        try:
+            resp = await self.http.get(f"{r.url}/health")
+        except httpx.HTTPError:
+            if not r.ever_ready and r.phase != "adopted":
+                r.kv_tokens = r.kv_tokens or _kv_tokens_from_log(
+                    self.paths.engine_log(r.revision, r.name), r.log_offset
+                )
+                r.phase = "loading weights" if r.kv_tokens is None else "warming up"
+            return False
+        if resp.status_code == 200:
+            return True
+        if not r.ever_ready:
+            r.phase = "warming up"
+        return False
+
+    async def _became_ready(self, r: Replica) -> None:
+        r.ready, r.ever_ready, r.ready_since = True, True, time.monotonic()
+        try:
+            load = (await self.http.get(f"{r.url}/load")).json()
+            r.kv_tokens = int(load["total_blocks"]) * int(load["block_size"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass
+        r.phase = "ready"
+        if r.restart_pending:
+            r.restart_pending = False
+            self.event(
+                "engine-restart", f"engine {r.name} restarted and ready (pid {r.pid}, port {r.port})", r.revision,
+                {"pid": r.pid, "port": r.port, "restarts": r.restarts},
+            )  # fmt: skip
+        log.info("engine rev %s %s ready (pid %s, KV %s tokens)", r.revision, r.name, r.pid, r.kv_tokens)
+        self.on_change()
+
+    async def loads(self) -> dict[tuple[int, str], dict]:
+        """Each ready engine's /load JSON, for status."""
+
+        async def one(r: Replica) -> tuple[tuple[int, str], dict | None]:
+            try:
+                return (r.revision, r.name), (await self.http.get(f"{r.url}/load")).json()
+            except (httpx.HTTPError, ValueError):
+                return (r.revision, r.name), None
+
+        pairs = await asyncio.gather(*(one(r) for r in self.all_replicas() if r.ready))
+        return {k: v for k, v in pairs if v is not None}
+
+
+KV_LINE = re.compile(rb"KV cache: .*?= (\d+) tokens")
+
+
+def _kv_tokens_from_log(path: Path, offset: int) -> int | None:
+    """The engine logs its KV cache size once weights are loaded; until /load answers, this is the progress."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            found = KV_LINE.findall(f.read(65536))
+    except OSError:
+        return None
+    return int(found[-1]) if found else None
+
+
+def _log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,50 @@
+"""EngineConfig: field names are the YAML's model.* and engine.* keys (llmdeploy/spec/models.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from llmdeploy.spec.models import DeploymentSpec, EngineSpec
+
+ENGINE_KEYS = tuple(EngineSpec.model_fields)
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    prefix_caching: bool = True
+    device: str = "auto"
+    kernel_backend: str = "auto"
+    seed: int = 0
+    base_dir: str | None = None  # relative model paths resolve against it (the YAML file's folder)
+
+    def __post_init__(self) -> None:
+        # same rules as the YAML, so a config built in code fails the same way a spec would
+        EngineSpec(**{k: getattr(self, k) for k in ENGINE_KEYS})
+        assert self.max_model_len >= 1, "max_model_len must be >= 1"
+        assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"
+
+    @classmethod
+    def from_spec(cls, spec: DeploymentSpec, base_dir: str | None = None, **overrides: Any) -> EngineConfig:
+        kw: dict[str, Any] = dict(
+            model=spec.model.path, dtype=spec.model.dtype, max_model_len=spec.model.max_model_len
+        )
+        kw.update({k: getattr(spec.engine, k) for k in ENGINE_KEYS})
+        kw.update(base_dir=base_dir, **overrides)
+        return cls(**kw)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> tuple[EngineConfig, dict[str, Any]]:
+        """Split kwargs into EngineConfig fields and the rest (nano-vllm style filtering by fields())."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names}), {
+            k: v for k, v in kwargs.items() if k not in names
+        }

@@ -1,0 +1,210 @@
+"""Memory a spec needs and the tokens its KV cache holds, from the model's config alone (no weights loaded).
+
+`llmdeploy plan` shows it before anything starts; the engine measures the real figures at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmdeploy.spec.models import DeploymentSpec
+from llmdeploy.spec.sources import ModelSource, ModelSourceError, resolve_model_source
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EstimateError(Exception):
+    """The model's shape cannot be read; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int | None
+    num_params: int | None  # summed from the tensor shapes in the weight files' headers
+    file_bytes: int  # on disk; a quantized GGUF is smaller than its weights in memory
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes  # K and V, every layer
+
+
+@dataclass(frozen=True)
+class Estimate:
+    shape: ModelShape
+    device: str  # cpu | cuda
+    dtype: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_budget_bytes: int
+    block_size: int
+    max_model_len: int
+    replicas: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_budget_bytes // (self.kv_bytes_per_token * self.block_size)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.kv_blocks * self.block_size
+
+    @property
+    def max_model_len_seqs(self) -> int:
+        """How many sequences of the full max_model_len fit in the KV cache at once."""
+        return self.kv_tokens // self.max_model_len
+
+
+def read_model_shape(source: ModelSource) -> ModelShape:
+    try:
+        return read_gguf_shape(source.path) if source.kind == "gguf" else read_hf_shape(source.path)
+    except EstimateError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise EstimateError(f"cannot read the shape of {source.display}: {e}") from e
+
+
+def read_hf_shape(folder: Path) -> ModelShape:
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)  # multimodal configs nest the language model
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    files = sorted(folder.glob("*.safetensors"))
+    return ModelShape(
+        model_type=str(config.get("model_type", "?")),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        hidden_size=hidden,
+        vocab_size=int(config["vocab_size"]),
+        max_position_embeddings=config.get("max_position_embeddings"),
+        num_params=sum(_safetensors_params(f) for f in files),
+        file_bytes=sum(f.stat().st_size for f in files),
+    )
+
+
+def _safetensors_params(path: Path) -> int:
+    """Element count from the file's JSON header (8-byte little-endian length, then JSON); no tensor data read."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 * 1024 * 1024:
+            raise EstimateError(f"{path} has an implausible safetensors header ({n} bytes)")
+        header = json.loads(f.read(n))
+    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def read_gguf_shape(path: Path) -> ModelShape:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def get(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        if hasattr(f, "contents"):
+            return f.contents()
+        return f.parts[f.data[0]].tolist()[0]  # gguf < 0.11
+
+    arch = get("general.architecture")
+    if arch is None:
+        raise EstimateError(f"{path} has no general.architecture in its GGUF metadata")
+    heads = int(get(f"{arch}.attention.head_count"))
+    hidden = int(get(f"{arch}.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    return ModelShape(
+        model_type=str(arch),
+        num_layers=int(get(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(get(f"{arch}.attention.key_length") or hidden // heads),
+        hidden_size=hidden,
+        vocab_size=int(vocab),
+        max_position_embeddings=get(f"{arch}.context_length"),
+        num_params=sum(math.prod(int(d) for d in t.shape) for t in reader.tensors),
+        file_bytes=path.stat().st_size,
+    )
+
+
+def estimate(
+    spec: DeploymentSpec, shape: ModelShape, device: str, gpu_total_bytes: int | None = None
+) -> Estimate:
+    """Pure: the figures for one replica of `spec` serving a model of `shape` on `device` (cpu | cuda)."""
+    notes: list[str] = []
+    dtype = spec.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        if device == "cpu":
+            notes.append(
+                "dtype auto on CPU counted as float32; if the engine measures bfloat16 faster, it halves both"
+            )
+    dtype_bytes = DTYPE_BYTES[dtype]
+    weights = (shape.num_params or 0) * dtype_bytes or shape.file_bytes
+    if device == "cuda" and gpu_total_bytes:
+        budget = max(0, int(gpu_total_bytes * spec.engine.gpu_memory_utilization) - weights)
+        notes.append(
+            f"KV budget on CUDA: gpu_memory_utilization {spec.engine.gpu_memory_utilization} x "
+            f"{gpu_total_bytes / GiB:.1f} GiB minus weights, before activations"
+        )
+    else:
+        budget = int(spec.engine.kv_cache_gb * GiB)
+    est = Estimate(
+        shape=shape,
+        device=device,
+        dtype=dtype,
+        weights_bytes=weights,
+        kv_bytes_per_token=shape.kv_bytes_per_token(dtype_bytes),
+        kv_budget_bytes=budget,
+        block_size=spec.engine.block_size,
+        max_model_len=spec.model.max_model_len,
+        replicas=spec.parallel.replicas,
+        notes=notes,
+    )
+    if shape.max_position_embeddings and spec.model.max_model_len > shape.max_position_embeddings:
+        notes.append(
+            f"model.max_model_len {spec.model.max_model_len} exceeds the model's context "
+            f"{shape.max_position_embeddings}; the engine will refuse it"
+        )
+    if est.max_model_len_seqs < 1:
+        notes.append(
+            f"the KV cache holds {est.kv_tokens} tokens, less than one sequence of max_model_len "
+            f"{spec.model.max_model_len}; raise engine.kv_cache_gb or lower model.max_model_len"
+        )
+    return est
+
+
+def resolve_device(spec: DeploymentSpec) -> tuple[str, int | None]:
+    """(cpu | cuda, total GPU bytes or None); imports torch only when the spec leaves the device to us."""
+    if spec.engine.device == "cpu":
+        return "cpu", None
+    import torch
+
+    if not torch.cuda.is_available():
+        if spec.engine.device == "cuda":
+            raise EstimateError("engine.device is cuda but no CUDA device is available here")
+        return "cpu", None
+    return "cuda", torch.cuda.get_device_properties(0).total_memory
+
+
+def estimate_spec(spec: DeploymentSpec) -> Estimate:
+    """Read the model's shape (spec.model.path is absolute after load_spec_file) and estimate for this machine."""
+    try:
+        source = resolve_model_source(spec.model.path)
+    except ModelSourceError as e:
+        raise EstimateError(str(e)) from e
+    device, gpu_total = resolve_device(spec)
+    return estimate(spec, read_model_shape(source), device, gpu_total)

@@ -1,0 +1,170 @@
+"""load_model: a model source (HF folder, .gguf file, builtin) -> our model with its weights, tokenizer and shape
+facts (CONTRACTS.md section 2)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from llmdeploy.engine.models import model_class
+from llmdeploy.engine.models.llama import head_dim_of
+from llmdeploy.engine.weights_cache import ensure_converted
+from llmdeploy.kernels import resolve_backend
+from llmdeploy.spec.sources import ModelSource, resolve_model_source
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What "auto" means per device; bench/forward_cpu.py measured the CPU choice (see bench/RESULTS.md).
+AUTO_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    arch: ModelArch
+    dtype: torch.dtype
+    device: torch.device
+    source: ModelSource
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return AUTO_DTYPE.get(device.type, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(
+    path: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    kernel_backend: str = "torch",
+    base_dir: str | Path | None = None,
+) -> LoadedModel:
+    source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
+    folder = source.path if source.kind == "hf" else ensure_converted(source.path)
+    config = AutoConfig.from_pretrained(folder)
+    cls = model_class(config)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    backend = resolve_backend(kernel_backend, dev.type)
+    if dev.type == "cpu":
+        keep_freed_memory_in_heap()
+    max_positions = max_positions_of(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+            model = cls(config, backend, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=dev)
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(folder))
+    model.finish_loading(dev)
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    arch = model_arch(config, max_positions, eos_token_ids(folder, config, tokenizer))
+    return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source)
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint file; sharded folders are listed by model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def max_positions_of(config: PretrainedConfig) -> int:
+    """Positions the model may see. A sliding window is full attention for sequences no longer than the window,
+    so capping there keeps attention exact instead of silently ignoring the window."""
+    limit = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True)  # Qwen2/3 carry a window they do not use
+    if window and uses_window and window < limit:
+        log.warning(
+            "sliding_window=%d: sequences are limited to %d tokens (full attention within it)", window, window
+        )
+        limit = window
+    return limit
+
+
+def eos_token_ids(folder: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """generation_config.json first, then config.json, then the tokenizer; lists are kept whole."""
+    found: list[int] = []
+    gen = folder / "generation_config.json"
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.is_file() else []
+    sources += [getattr(config, "eos_token_id", None)]
+    if not any(s is not None for s in sources):
+        sources.append(tokenizer.eos_token_id)
+    for ids in sources:
+        for i in ids if isinstance(ids, list) else [ids]:
+            if i is not None and int(i) not in found:
+                found.append(int(i))
+    return found
+
+
+def model_arch(config: PretrainedConfig, max_positions: int, eos_ids: list[int]) -> ModelArch:
+    return ModelArch(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim_of(config),
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=max_positions,
+        eos_token_ids=eos_ids,
+    )
+
+
+def keep_freed_memory_in_heap() -> None:
+    """glibc returns big freed blocks to the OS, so every activation tensor of a forward costs fresh page faults
+    (a 512x576 float32 RMSNorm took 0.65 ms instead of 0.05 ms). Keeping them in the heap is what jemalloc or
+    tcmalloc would do; the process keeps its peak activation memory mapped."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)  # the largest glibc allows
+    libc.mallopt(m_trim_threshold, 1 << 30)

@@ -1,0 +1,237 @@
+"""ModelRunner: owns the loaded model and the paged KV cache; turns a ScheduledBatch into logits.
+
+KV capacity: engine.kv_cache_gb on CPU. On CUDA, a warm-up forward of max_num_batched_tokens measures this
+process's peak memory (weights + activations); the KV cache gets total * gpu_memory_utilization minus that peak,
+but never more than is actually free now (other processes' memory is not subtracted blindly, nor ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmdeploy.engine.attention import AttentionMetadata
+from llmdeploy.engine.config import EngineConfig
+from llmdeploy.engine.errors import CapacityError
+from llmdeploy.engine.loader import LoadedModel, load_model
+from llmdeploy.engine.outputs import Capacity
+from llmdeploy.engine.scheduler import ScheduledBatch
+from llmdeploy.engine.sequence import Sequence
+
+log = logging.getLogger("llmdeploy.engine")
+GiB = 1 << 30
+CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other kernels' workspaces
+
+
+@dataclass
+class WarmupRates:
+    prefill_s_per_token: float
+    decode_step_s: float
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded or load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            kernel_backend=config.kernel_backend,
+            base_dir=config.base_dir,
+        )
+        self.model, self.arch = self.loaded.model, self.loaded.arch
+        self.device, self.dtype = self.loaded.device, self.loaded.dtype
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len, self.arch.max_position_embeddings)
+        if self.max_model_len < config.max_model_len:
+            log.warning(
+                "max_model_len %d is longer than the model's %d positions; using %d",
+                config.max_model_len,
+                self.arch.max_position_embeddings,
+                self.max_model_len,
+            )
+        self.rates = self.warmup()
+        self.num_blocks = self.kv_cache_blocks()
+        self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.capacity = Capacity(
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.block_size / self.max_model_len,
+        )
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s) = %.1f sequences of max_model_len %d",
+            self.num_blocks,
+            self.block_size,
+            self.capacity.tokens,
+            self.num_blocks * self.block_bytes / GiB,
+            str(self.dtype).removeprefix("torch."),
+            self.capacity.max_model_len_seqs,
+            self.max_model_len,
+        )
+
+    # KV cache sizing
+    @property
+    def block_bytes(self) -> int:
+        a = self.arch
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def kv_cache_blocks(self) -> int:
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            free = torch.cuda.mem_get_info(self.device)[0]
+            peak = torch.cuda.max_memory_allocated(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - peak
+            reachable = free - CUDA_FREE_MARGIN  # what other processes left us
+            kv_bytes, how = (
+                min(budget, reachable),
+                (
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} of {total / GiB:.1f} GiB, "
+                    f"peak of weights + activations {peak / GiB:.2f} GiB, free now {free / GiB:.2f} GiB"
+                ),
+            )
+            fix = "raise engine.gpu_memory_utilization, free GPU memory, or lower model.max_model_len"
+        else:
+            kv_bytes, how = (
+                int(self.config.kv_cache_gb * GiB),
+                f"engine.kv_cache_gb={self.config.kv_cache_gb}",
+            )
+            fix = "raise engine.kv_cache_gb or lower model.max_model_len"
+        num_blocks = max(0, kv_bytes) // self.block_bytes
+        need = -(-self.max_model_len // self.block_size)
+        if num_blocks < need:
+            raise CapacityError(
+                f"The KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of {self.block_size}, "
+                f"{how}), but one sequence of max_model_len={self.max_model_len} needs {need} blocks "
+                f"({need * self.block_bytes / GiB:.3f} GiB); {fix}."
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.arch
+        kv = torch.zeros(
+            2,
+            a.num_layers,
+            num_blocks,
+            self.block_size,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        return kv
+
+    @torch.inference_mode()
+    def warmup(self) -> WarmupRates:
+        """One prefill at the step budget (peak activation memory on CUDA) and one decode, on a scratch cache;
+        their times are the rate estimates /load gives before real steps are measured."""
+        cuda = self.device.type == "cuda"
+        budget = self.config.max_num_batched_tokens if cuda else min(self.config.max_num_batched_tokens, 256)
+        seq_len = min(budget, self.max_model_len)
+        seqs = [
+            Sequence([i % self.arch.vocab_size for i in range(seq_len)]) for _ in range(-(-budget // seq_len))
+        ]
+        nb = sum(-(-len(s) // self.block_size) for s in seqs)
+        for i, s in enumerate(seqs):
+            s.block_table = list(range(i * (nb // len(seqs)), (i + 1) * (nb // len(seqs))))
+        scratch = self.allocate_kv_cache(nb)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        prefill = ScheduledBatch(prefills=[(s, len(s)) for s in seqs]).finalize()
+        t0 = time.perf_counter()
+        self.run(prefill, num_logit_rows=min(self.config.max_num_seqs, self.config.max_num_batched_tokens))
+        t1 = time.perf_counter()
+        for s in seqs:
+            s.num_computed_tokens = len(s) - 1
+        decode = ScheduledBatch(decodes=seqs[:1]).finalize()
+        self.run(decode)
+        t2 = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        del scratch
+        return WarmupRates(max(t1 - t0, 1e-6) / budget, max(t2 - t1, 1e-6))
+
+    # one step
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, num_logit_rows: int | None = None) -> torch.Tensor:
+        """Forward of the batch's tokens -> float32 logits [len(batch.logit_seqs), vocab]."""
+        if batch.blocks_to_copy:
+            self.copy_blocks(batch.blocks_to_copy)
+        input_ids, positions, meta, logit_idx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if num_logit_rows:  # warm-up: the widest logits a step can ask for
+            logit_idx = torch.arange(min(num_logit_rows, hidden.shape[0]), device=self.device)
+        return self.model.compute_logits(hidden[logit_idx])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        cu_q, ctx, logit_idx = [0], [], []
+        for seq, n in batch.prefills:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            cu_q.append(cu_q[-1] + n)
+            ctx.append(end)
+            if end == len(seq):
+                logit_idx.append(cu_q[-1] - 1)
+        num_prefill = cu_q[-1]
+        dec = batch.decodes
+        if dec:
+            dpos = [len(s) - 1 for s in dec]
+            ids.extend(s.token_ids[-1] for s in dec)
+            pos_parts.append(np.asarray(dpos, dtype=np.int64))
+            slot_parts.append(
+                np.asarray(
+                    [s.block_table[p // bs] * bs + p % bs for s, p in zip(dec, dpos, strict=True)], np.int64
+                )
+            )
+            logit_idx.extend(range(num_prefill, num_prefill + len(dec)))
+        dev = self.device
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=len(dec),
+        )
+        if batch.prefills:
+            seqs = [s for s, _ in batch.prefills]
+            meta.prefill_cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=dev)
+            meta.prefill_context_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
+            meta.prefill_block_tables = self.block_tables(seqs, max(ctx))
+            meta.prefill_max_q_len = max(n for _, n in batch.prefills)
+            meta.prefill_max_context_len = max(ctx)
+        if dec:
+            lens = [len(s) for s in dec]
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+            meta.decode_block_tables = self.block_tables(dec, max(lens))
+            meta.decode_max_context_len = max(lens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, torch.tensor(logit_idx, dtype=torch.long, device=dev)
+
+    def block_tables(self, seqs: list[Sequence], max_context_len: int) -> torch.Tensor:
+        width = -(-max_context_len // self.block_size)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            row = s.block_table[:width]
+            table[i, : len(row)] = row
+        return torch.from_numpy(table).to(self.device)

@@ -1,0 +1,202 @@
+"""The Llama family on a paged KV cache: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
+SmolLM2 (Llama with tied embeddings). q/k/v and gate/up are fused into one projection each at load time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from llmdeploy.engine.attention import AttentionMetadata, PagedAttention
+from llmdeploy.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from llmdeploy.engine.rope import build_cos_sin_cache
+from llmdeploy.kernels import get_ops
+
+# checkpoint projection name -> (fused module, shard)
+STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.ops = get_ops(backend)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.ops) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.ops) if qk_norm else None
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, backend
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.view(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, bias: bool):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        ops = get_ops(backend)
+        self.self_attn = LlamaAttention(config, backend, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, qkv_bias, o_bias, qk_norm)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, get_ops(backend))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, cos_sin, meta)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig, backend: str = "torch", max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions or config.max_position_embeddings
+        attention_bias = getattr(config, "attention_bias", False)
+        self.model = LlamaModel(
+            config, backend, self.qkv_bias or attention_bias, attention_bias, self.qk_norm
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.cos_sin_cache = torch.empty(0)
+
+    def finish_loading(self, device: torch.device) -> None:
+        """After the weights are in place; re-ties because materialising a meta module unties shared weights."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.cos_sin_cache = build_cos_sin_cache(
+            self.config, head_dim_of(self.config), self.max_positions, device
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.cos_sin_cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF checkpoint names -> this module's parameters; raises if any parameter was left unloaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        loaded: set[tuple[str, str]] = set()
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES) or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            module_name, _, param_kind = name.rpartition(".")
+            prefix, _, proj = module_name.rpartition(".")
+            if proj in STACKED:
+                fused, shard_id = STACKED[proj]
+                fused_name = f"{prefix}.{fused}"
+                target = modules[fused_name].shard(params[f"{fused_name}.{param_kind}"], shard_id)
+                loaded.add((f"{fused_name}.{param_kind}", shard_id))
+            elif name in params:
+                target = params[name].data
+                loaded.add((name, ""))
+            else:
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+        self._check_all_loaded(params, modules, loaded)
+
+    def _check_all_loaded(self, params: dict, modules: dict, loaded: set[tuple[str, str]]) -> None:
+        missing = []
+        for name in params:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            module = modules[name.rpartition(".")[0]]
+            shards = module.shard_offsets if isinstance(module, MergedLinear) else {"": None}
+            missing += [f"{name}[{s}]" if s else name for s in shards if (name, s) not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

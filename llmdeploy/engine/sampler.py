@@ -1,0 +1,129 @@
+"""Batched sampling over float32 logits.
+
+Order per row: penalties (repetition over prompt + output as HF; presence/frequency over output as OpenAI),
+min_tokens (EOS and stop_token_ids masked), then greedy argmax (temperature 0: no randomness, so the choice depends
+only on the row's own logits) or temperature -> top_k -> top_p -> min_p -> one draw by the exponential race
+(argmax p / E, E ~ Exp(1)), which equals a multinomial draw and needs no sort. Seeded requests draw E from their
+own torch.Generator (same seed, same output, whatever else is in the batch); unseeded ones from the engine's.
+Logprobs are the raw model distribution (log_softmax of the logits before any processing), as vLLM's default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmdeploy.engine.outputs import TokenLogprob
+from llmdeploy.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, samples: list[tuple[Sequence, int]], eos_token_ids: list[int]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [R, V] float32 (rows of batch.logit_seqs); samples: (seq, row) -> one token per sample."""
+        seqs = [s for s, _ in samples]
+        rows = [r for _, r in samples]
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        plain = all(
+            s.params.greedy and not s.params.has_penalties and not self._min_tokens_active(s) for s in seqs
+        )
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if plain and not want_logprobs:  # fast path: no copies, no sort
+            return logits.argmax(-1).tolist(), [None] * len(seqs)
+        raw = logits
+        logits = logits.clone()
+        self._apply_penalties(logits, seqs)
+        self._mask_stops(logits, seqs, eos_token_ids)
+        tokens = logits.argmax(-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            tokens[idx] = self._sample(logits[idx], [seqs[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw, seqs, token_list) if want_logprobs else [None] * len(seqs)
+
+    @staticmethod
+    def _min_tokens_active(seq: Sequence) -> bool:
+        return seq.num_output_tokens < seq.params.min_tokens
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.has_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+                v = row[seen]
+                row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _mask_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+        vocab = logits.shape[1]
+        for i, seq in enumerate(seqs):
+            if self._min_tokens_active(seq):
+                ids = [t for t in [*eos_token_ids, *seq.params.stop_token_ids] if 0 <= t < vocab]
+                if ids:
+                    logits[i, ids] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        logits = logits / torch.tensor([s.params.temperature for s in seqs], device=dev)[:, None]
+        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = self._top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(-1)
+        min_p = [s.params.min_p for s in seqs]
+        if any(min_p):
+            floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        race = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if len(unseeded) == len(seqs):
+            race.exponential_(generator=self.generator)
+        else:
+            for i, s in enumerate(seqs):
+                race[i].exponential_(generator=s.generator if s.generator is not None else self.generator)
+        return (probs / race).argmax(-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        dev, vocab = logits.device, logits.shape[1]
+        sorted_logits, order = logits.sort(-1, descending=True)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)[:, None]
+        drop = ranks >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the better tokens; the best one is always kept
+        drop |= before > torch.tensor(top_p, device=dev)[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+        idx = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lp = torch.log_softmax(raw[torch.tensor(idx, device=raw.device)], dim=-1)
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in idx], device=raw.device)[:, None])[
+            :, 0
+        ].tolist()
+        k = max(seqs[i].params.logprobs for i in idx)
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        for j, i in enumerate(idx):
+            n = seqs[i].params.logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n], strict=True)))
+        return out

@@ -1,0 +1,216 @@
+"""Continuous batching: which tokens of which sequences run in the next step. Pure Python (no torch).
+
+Every step: decodes first (one token per running sequence whose prompt is done), then the rest of the token
+budget (max_num_batched_tokens) goes to prefill chunks, so a running decode waits at most one chunk.
+Several partial prefills may share a step. Prefill order is shortest-remaining-prefill-first (short prompts
+get their first token quickly even behind a 10k-token prompt) with an age bound: a sequence that has waited
+`aging_steps` steps since it arrived goes first, oldest first, so a long prompt cannot be starved by a stream
+of short ones. A step that completes some prompt carries no partial chunk of another one (unless that one has
+aged): the steps that produce first tokens stay short, so a short request arriving behind a long prompt waits
+about one step, not a full budget plus its own prefill. Out of blocks: preemption by recompute; the victim is the
+most recently admitted sequence, which has the least work to lose; it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmdeploy.engine.block_manager import BlockManager
+from llmdeploy.engine.errors import CapacityError, ContextLengthError
+from llmdeploy.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(
+        default_factory=list
+    )  # (seq, chunk tokens from num_computed)
+    decodes: list[Sequence] = field(default_factory=list)  # one token each (the last one)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child) made this step
+    blocks_to_copy: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # copy-on-write (src, dst) before the step
+    preempted: list[Sequence] = field(default_factory=list)
+    logit_seqs: list[Sequence] = field(default_factory=list)
+    samples: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    def finalize(self) -> ScheduledBatch:
+        """Fix which positions yield logits (chunks that end their sequence's tokens, then decodes) and which
+        sequences get a token from which logits row (forked children share the parent's row)."""
+        self.logit_seqs = [s for s, n in self.prefills if s.num_computed_tokens + n == len(s)] + self.decodes
+        rows = {s.seq_id: i for i, s in enumerate(self.logit_seqs)}
+        self.samples = [(s, i) for i, s in enumerate(self.logit_seqs)] + [
+            (c, rows[p.seq_id]) for p, c in self.forks
+        ]
+        return self
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        aging_steps: int = 16,
+        watermark: float = 0.01,
+    ):
+        self.bm = block_manager
+        # every running sequence must fit in one step's budget, or some decodes would stall
+        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.aging_steps = aging_steps
+        self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
+        self.waiting: list[Sequence] = []  # preempted ones at the front
+        self.running: list[Sequence] = []  # in admission order
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Reject at once what could never run (never a hang): too long for the model or for the whole KV cache."""
+        total = num_prompt_tokens + (max_tokens or 1)
+        if total > self.max_model_len:
+            asked = f"{num_prompt_tokens} in the prompt" + (
+                f" + {max_tokens} max_tokens" if max_tokens else ""
+            )
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but {total} were requested "
+                f"({asked}). Shorten the prompt or lower max_tokens.",
+                num_prompt_tokens,
+                self.max_model_len,
+            )
+        if self.bm.blocks_for(total) > self.bm.num_blocks:
+            raise CapacityError(
+                f"The request needs {total} tokens of KV cache but the whole cache holds "
+                f"{self.bm.num_blocks * self.bm.block_size}; it can never run on this engine."
+            )
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        self.waiting.append(seq)
+
+    def slots(self, seq: Sequence) -> int:
+        return 1 + seq.num_forks
+
+    def schedule(self) -> ScheduledBatch:
+        self.step_count += 1
+        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+        # decodes first; out of blocks -> preempt the most recently admitted
+        for seq in [s for s in self.running if s.num_uncomputed == 1]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted above in this loop
+            while not self.bm.can_append(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                copy = self.bm.may_append(seq)
+                if copy:
+                    batch.blocks_to_copy.append(copy)
+                batch.decodes.append(seq)
+        budget = self.max_num_batched_tokens - len(batch.decodes)
+        # then prefill chunks: admitted partial prefills and waiting sequences, by priority
+        num_slots = sum(self.slots(s) for s in self.running)
+        admitting, completed_one = True, False
+        for seq in self._prefill_order():
+            if budget <= 0:
+                break
+            if completed_one and seq.num_uncomputed > budget and self._priority(seq)[0] == 2:
+                continue  # a young partial chunk would only slow down the step that yields first tokens
+            if seq.status is SequenceStatus.WAITING:
+                if not admitting:
+                    continue
+                if num_slots + self.slots(seq) > self.max_num_seqs or not self.bm.can_allocate(
+                    seq, reserve=self.watermark_blocks if self.running else 0
+                ):
+                    admitting = False  # strict order: a big request at the head is not overtaken forever
+                    continue
+                self._admit(seq)
+                num_slots += self.slots(seq)
+            chunk = min(seq.num_uncomputed, budget)
+            batch.prefills.append((seq, chunk))
+            budget -= chunk
+            completed_one |= chunk == seq.num_uncomputed
+            if chunk == seq.num_uncomputed and seq.num_forks:
+                self._fork(seq, batch)
+        return batch.finalize()
+
+    def _prefill_order(self) -> list[Sequence]:
+        cands = [s for s in self.running if s.num_uncomputed > 1] + self.waiting
+        return sorted(cands, key=self._priority)
+
+    def _priority(self, seq: Sequence) -> tuple:
+        waited = self.step_count - seq.arrival_step
+        if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
+            return (0, seq.arrival_step, seq.seq_id)  # preempted: front of the queue
+        if waited >= self.aging_steps:
+            return (1, seq.arrival_step, seq.seq_id)
+        return (2, seq.num_uncomputed, seq.arrival_step, seq.seq_id)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.bm.allocate(seq)
+        seq.admitted_once = True
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+
+    def _fork(self, parent: Sequence, batch: ScheduledBatch) -> None:
+        for i in range(1, parent.num_forks + 1):
+            child = parent.fork(parent.index + i)
+            self.bm.fork(parent, child)
+            child.num_computed_tokens = len(parent)  # the parent's chunk computes the shared prompt this step
+            self.running.append(child)
+            batch.forks.append((parent, child))
+        parent.num_forks = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def postprocess(self, batch: ScheduledBatch) -> None:
+        """After the forward: the chunks' K/V are in the cache (register full blocks for prefix reuse)."""
+        for seq, n in batch.prefills:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n
+                self.bm.cache_computed_blocks(seq)
+        for seq in batch.decodes:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += 1
+                self.bm.cache_computed_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Leave at once (finished, aborted or failed): blocks back to the pool."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.deallocate(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def pending_prefill_tokens(self) -> int:
+        return sum(s.num_uncomputed for s in self.waiting) + sum(
+            s.num_uncomputed for s in self.running if s.num_uncomputed > 1
+        )

@@ -1,0 +1,467 @@
+"""The engine's OpenAI-compatible HTTP server: `create_app(engine, served_alias)` and a uvicorn runner.
+
+Every request is checked in full (JSON, alias, fields, engine.check_request) before it reaches the engine,
+so a bad request is a 400 at once and never stalls the loop. Streams commit at the first engine output:
+failures before it are plain HTTP errors, after it an error event ends the stream (never a fake `stop`).
+A client that goes away, streaming or not, aborts its request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmdeploy.engine.chat import chat_prompt_ids
+from llmdeploy.engine.metrics import RequestTracker, ServerMetrics
+from llmdeploy.engine.outputs import RequestOutput
+from llmdeploy.engine.sampling_params import SamplingParams
+from llmdeploy.engine.serving import (
+    Formatter,
+    Prompt,
+    TokenTexts,
+    chat_logprobs_k,
+    chat_prompts,
+    check_alias,
+    completion_logprobs_k,
+    completion_prompts,
+    engine_error,
+    sampling_params,
+    validate,
+)
+from llmdeploy.openai_api.errors import (
+    OpenAIError,
+    install_error_handlers,
+    invalid_json,
+    invalid_request,
+    model_not_found,
+    payload_too_large,
+)
+from llmdeploy.openai_api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from llmdeploy.openai_api.sse import DONE, MEDIA_TYPE, STREAM_HEADERS, sse_data, sse_error_end
+
+log = logging.getLogger("llmdeploy.engine.server")
+T = TypeVar("T")
+MAX_BODY_BYTES = 32 * 1024 * 1024
+CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+# ---- request id -------------------------------------------------------------------------------------------
+
+
+class RequestIdMiddleware:
+    """Pure ASGI (BaseHTTPMiddleware would break streaming disconnects): echo a sane client id or make one."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+# ---- parsing and errors -----------------------------------------------------------------------------------
+
+
+async def read_object(request: Request) -> dict[str, Any]:
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise payload_too_large(MAX_BODY_BYTES)
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise payload_too_large(MAX_BODY_BYTES)
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise invalid_json(str(exc)) from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_body")
+    return body
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def aborted(out: RequestOutput) -> bool:
+    return any(c.finish_reason == "abort" for c in out.outputs)
+
+
+def aborted_error() -> OpenAIError:
+    return OpenAIError(503, "The request was aborted by the engine (shutting down?).", code="aborted")
+
+
+@dataclass
+class Job:
+    """One OpenAI request on its way through the engine."""
+
+    request: Request
+    fmt: Formatter
+    prompts: list[Prompt]
+    params: SamplingParams
+    stream: bool
+    prompt_param: str  # the field a too-long prompt is blamed on: messages | prompt
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def rid(self) -> str:
+        return self.request.state.request_id
+
+
+# ---- the app ----------------------------------------------------------------------------------------------
+
+
+class EngineServer:
+    def __init__(self, engine: Any, served_alias: str, log_bodies: bool = False):
+        self.engine, self.alias, self.log_bodies = engine, served_alias, log_bodies
+        self.tokenizer = engine.tokenizer
+        self.texts = TokenTexts(self.tokenizer)
+        self.max_model_len = engine.config.max_model_len
+        self.metrics = ServerMetrics(engine.stats, served_alias)
+        self.created = int(time.time())
+
+    # -- engine streams
+
+    async def engine_stream(
+        self, prompt: Prompt, params: SamplingParams, rid: str
+    ) -> AsyncIterator[RequestOutput]:
+        tracker: RequestTracker = self.metrics.tracker()
+        agen = self.engine.generate(prompt.token_ids, params, rid)
+        try:
+            async for out in agen:
+                tracker.on_output(out)
+                yield out
+        finally:
+            if not tracker.done:  # cancelled, disconnected or failed: the engine must drop it now
+                with anyio.CancelScope(shield=True):
+                    await agen.aclose()
+                    await self.engine.abort(rid)
+                tracker.on_abort(params.n)
+
+    async def merged(
+        self, prompts: list[Prompt], params: SamplingParams, rid: str
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts as they come, tagged with the prompt's index."""
+        streams = [self.engine_stream(p, params, f"{rid}-{i}") for i, p in enumerate(prompts)]
+        if len(streams) == 1:
+            try:
+                async for out in streams[0]:
+                    yield 0, out
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await streams[0].aclose()
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out, None))
+                queue.put_nowait((i, None, None))
+            except Exception as exc:
+                queue.put_nowait((i, None, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    remaining -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- one OpenAI request
+
+    async def serve(self, job: Job) -> Response:
+        for p in job.prompts:
+            try:
+                self.engine.check_request(p.token_ids, job.params)
+            except Exception as exc:
+                raise engine_error(exc, job.prompt_param) from None
+        events = self.merged(job.prompts, job.params, job.fmt.id)
+        try:
+            if not job.stream:
+                finals = await unless_disconnected(job.request, self.collect(events, len(job.prompts)))
+                self.log_done(job, finals)
+                return JSONResponse(job.fmt.response(finals))
+            first = await unless_disconnected(job.request, anext(events))
+        except ClientGone:
+            log.info("request %s: client disconnected before the response; aborted", job.rid)
+            return Response(status_code=499)
+        except Exception as exc:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+            raise engine_error(exc, job.prompt_param) from None
+        return StreamingResponse(
+            self.stream_body(job, first, events), media_type=MEDIA_TYPE, headers=STREAM_HEADERS
+        )
+
+    async def collect(self, events: AsyncIterator[tuple[int, RequestOutput]], n: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * n
+        async for i, out in events:
+            finals[i] = out
+        done = [f for f in finals if f is not None and f.finished]
+        if len(done) != n or any(aborted(f) for f in done):
+            raise aborted_error()
+        return done
+
+    async def stream_body(
+        self, job: Job, first: tuple[int, RequestOutput], events: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[bytes]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            item: tuple[int, RequestOutput] | None = first
+            while item is not None:
+                i, out = item
+                if aborted(out):
+                    raise aborted_error()
+                finals[i] = out
+                for chunk in job.fmt.chunks(i, out):
+                    yield sse_data(chunk)
+                item = await anext(events, None)
+            ordered = [finals[i] for i in sorted(finals)]
+            if job.fmt.include_usage:
+                yield sse_data(job.fmt.usage_chunk(ordered))
+            yield DONE
+            self.log_done(job, ordered)
+        except Exception as exc:
+            err = engine_error(exc, job.prompt_param)
+            log.warning("request %s: stream ended with an error: %s", job.rid, err.message)
+            yield sse_error_end(err)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+
+    def log_done(self, job: Job, finals: list[RequestOutput]) -> None:
+        outs = [c for f in finals for c in f.outputs]
+        log.info(
+            "request %s %s: prompt_tokens=%d completion_tokens=%d finish=%s time=%.3fs",
+            job.rid, job.fmt.object, sum(len(p.token_ids) for p in job.prompts), sum(len(c.token_ids) for c in outs),
+            ",".join(sorted({str(c.finish_reason) for c in outs})), time.perf_counter() - job.started,
+        )  # fmt: skip
+        if self.log_bodies:
+            log.info(
+                "request %s prompt: %r", job.rid, [self.tokenizer.decode(p.token_ids) for p in job.prompts]
+            )
+            log.info("request %s completion: %r", job.rid, [c.text for c in outs])
+
+    # -- endpoints
+
+    async def chat(self, request: Request) -> Response:
+        body = await read_object(request)
+        check_alias(body, self.alias, required=True)
+        req = validate(ChatCompletionRequest, body)
+        k = chat_logprobs_k(req)
+        prompts = chat_prompts(self.tokenizer, req)
+        fmt = Formatter("chat", self.alias, req.n, self.texts, k, prompts, include_usage=req.include_usage)
+        return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "messages"))
+
+    async def completions(self, request: Request) -> Response:
+        body = await read_object(request)
+        check_alias(body, self.alias, required=True)
+        req = validate(CompletionRequest, body)
+        k = completion_logprobs_k(req)
+        prompts = completion_prompts(self.tokenizer, req)
+        fmt = Formatter("completion", self.alias, req.n, self.texts, k, prompts, req.echo, req.include_usage)
+        return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "prompt"))
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        body = await read_object(request)
+        check_alias(body, self.alias, required=False)
+        req = validate(TokenizeRequest, body)
+        if req.messages is not None:
+            tokens = chat_prompt_ids(self.tokenizer, req.messages)
+        else:
+            tokens = list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        body = await read_object(request)
+        check_alias(body, self.alias, required=False)
+        req = validate(DetokenizeRequest, body)
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise invalid_request(f"Token ids must be in [0, {vocab}).", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.alias,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmdeploy",
+            "root": self.alias,
+            "max_model_len": self.max_model_len,
+        }
+
+    def ready(self) -> bool:
+        try:
+            return bool(self.engine.load().get("ready"))
+        except Exception:
+            return False
+
+
+def create_app(
+    engine: Any, served_alias: str, *, log_bodies: bool = False, manage_engine: bool = True
+) -> FastAPI:
+    """The app over an already built engine; with manage_engine the app's lifespan starts and stops it."""
+    srv = EngineServer(engine, served_alias, log_bodies)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.shutdown()
+
+    app = FastAPI(
+        title="llmdeploy engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.server = srv
+    install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+
+    app.post("/v1/chat/completions")(srv.chat)
+    app.post("/v1/completions")(srv.completions)
+    app.post("/tokenize")(srv.tokenize)
+    app.post("/detokenize")(srv.detokenize)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [srv.model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        if model != served_alias:
+            raise model_not_found(model)
+        return srv.model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if srv.ready():
+            return JSONResponse({"status": "ok"})
+        return OpenAIError(503, "The engine is not ready.", code="engine_not_ready").response()
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        return engine.load()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = srv.metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+# ---- running it -------------------------------------------------------------------------------------------
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn drains on SIGTERM/SIGINT (stop accepting, finish in-flight up to timeout_graceful_shutdown), then
+    re-raises the signal, which would make a clean drain exit with -15; a drained server exits 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("listening on http://%s:%d", self.config.host, self.config.port)
+
+
+def run_server(
+    engine: Any,
+    served_alias: str,
+    host: str,
+    port: int,
+    *,
+    log_bodies: bool = False,
+    drain_timeout_s: float = 30.0,
+    log_level: str = "info",
+) -> int:
+    """Serve until SIGTERM/SIGINT, drain, stop the engine; the exit status (0 after a clean drain)."""
+    config = uvicorn.Config(
+        create_app(engine, served_alias, log_bodies=log_bodies),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
+        lifespan="on",
+    )
+    server = DrainingServer(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,445 @@
+"""The router: an OpenAI-compatible proxy in front of the local engines and the cloud.
+
+create_router(spec, table) -> Router; Router.app is the FastAPI app (docs/CONTRACTS.md section 5). A request
+goes: auth -> body size/JSON -> alias -> schema -> rate limit -> policies.route.decide -> Dispatcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llmdeploy.openai_api.errors import OpenAIError, install_error_handlers, overloaded, rate_limited
+from llmdeploy.policies.breaker import BreakerConfig, CircuitBreaker
+from llmdeploy.policies.egress import ALLOW_CLOUD_HEADER, CloudState, header_allows_cloud
+from llmdeploy.policies.overflow import OverflowLimits
+from llmdeploy.policies.ratelimit import KeyRateLimiter, burst_bucket
+from llmdeploy.policies.route import CLOUD, LOCAL, REJECT, WAIT, Decision, decide
+from llmdeploy.policies.snapshot import RequestFacts, WindowStats
+from llmdeploy.policies.split import parse_pinned
+from llmdeploy.router import requests as rq
+from llmdeploy.router.access_log import AccessRecord, log_access
+from llmdeploy.router.auth import KeyInfo, KeyStore
+from llmdeploy.router.backends import EnginePool
+from llmdeploy.router.cloud import CloudClient
+from llmdeploy.router.dispatch import Call, Dispatcher, revision_label
+from llmdeploy.router.metrics import RouterMetrics
+from llmdeploy.router.relay import Exchange
+from llmdeploy.router.table import RoutingTable
+from llmdeploy.router.windows import RevisionWindows
+
+log = logging.getLogger("llmdeploy.router")
+PIN_HEADER = "x-llmdeploy-revision"
+WAIT_POLL_S = 0.05
+OLD_CLOUD_GRACE_S = 600.0  # a replaced cloud client stays open this long for requests still using it
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a request reads from the spec, swapped as one object on reload."""
+
+    spec: object
+    alias: str
+    keys: KeyStore
+    limits: OverflowLimits
+    cloud: CloudClient
+    max_body: int
+    local_wait_s: float
+    sticky_header: str
+    bodies: bool
+
+
+class RequestIdMiddleware:
+    """Pure ASGI: every response carries x-request-id, x-llmdeploy-backend and x-llmdeploy-revision."""
+
+    def __init__(self, app, on_first_request=None) -> None:
+        self.app = app
+        self.on_first_request = on_first_request
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.on_first_request is not None:
+            # embedders may run the app with lifespan off: start the load poller on first use then
+            await self.on_first_request()
+        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+        rid = rq.request_id(incoming)
+        scope.setdefault("state", {})["rid"] = rid
+        defaults = (
+            (b"x-request-id", rid.encode()),
+            (b"x-llmdeploy-backend", b"none"),
+            (b"x-llmdeploy-revision", b"none"),
+        )
+
+        async def send_with_ids(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                present = {k.lower() for k, _ in headers}
+                headers += [(k, v) for k, v in defaults if k not in present]
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_ids)
+
+
+class Router:
+    def __init__(
+        self,
+        spec,
+        table: RoutingTable,
+        *,
+        generated_key_hashes: dict[str, str] | None = None,
+        environ=None,
+        poll_interval_s: float = 0.2,
+        cloud_backoff_s: float = 0.25,
+    ) -> None:
+        if logging.getLogger("httpx").level == logging.NOTSET:
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /load poll otherwise
+        self.table = table
+        self.generated_key_hashes = dict(generated_key_hashes or {})
+        self.environ, self.cloud_backoff_s = environ, cloud_backoff_s
+        self.metrics = RouterMetrics()
+        self.limiter = KeyRateLimiter()
+        self.settings = self._settings(spec)
+        self.limiter.configure(self.settings.keys.rpm_limits())
+        self.burst = burst_bucket(spec.routing.burst.local_rps)
+        self.cloud_breaker = CircuitBreaker(BreakerConfig.from_spec(spec.routing.breaker))
+        self.pool = EnginePool(table, BreakerConfig.from_spec(spec.routing.breaker), poll_interval_s)
+        self.windows = RevisionWindows(spec.rollout.auto_rollback.window_s)
+        self.dispatcher = Dispatcher(self)
+        self.started_at = time.time()
+        self._retired: list[tuple[asyncio.Task, CloudClient]] = []
+        self._start_task: asyncio.Future | None = None
+        self._closed = False
+        self._lifespans = 0
+        self.app = self._build_app()
+
+    def _settings(self, spec, reuse_cloud: CloudClient | None = None) -> Settings:
+        cloud = reuse_cloud or CloudClient(
+            spec.cloud, environ=self.environ, backoff_initial_s=self.cloud_backoff_s
+        )
+        return Settings(
+            spec=spec,
+            alias=spec.model.served_alias,
+            keys=KeyStore(spec.auth, self.generated_key_hashes, self.environ),
+            limits=OverflowLimits.from_spec(spec),
+            cloud=cloud,
+            max_body=spec.routing.max_body_bytes,
+            local_wait_s=spec.routing.local_wait_s,
+            sticky_header=spec.rollout.sticky_header,
+            bodies=spec.logging.bodies,
+        )
+
+    # ---- lifecycle and the control-plane seam -----------------------------------------------------------
+    async def start(self) -> None:
+        """Start the /load poller (idempotent); the app's lifespan, or the first request, calls it."""
+        if self._start_task is None:
+            self._start_task = asyncio.ensure_future(self.pool.start())
+        if not self._start_task.done():
+            await asyncio.shield(self._start_task)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.pool.aclose()
+        await self.settings.cloud.aclose()
+        for task, cloud in self._retired:
+            task.cancel()
+            await cloud.aclose()
+        self._retired.clear()
+
+    def update_spec(self, spec, generated_key_hashes: dict[str, str] | None = None) -> None:
+        """Hot reload of auth, routing, sla, cloud and rollout settings; in-flight requests keep theirs."""
+        if generated_key_hashes is not None:
+            self.generated_key_hashes = dict(generated_key_hashes)
+        old = self.settings
+        same_cloud = old.spec.cloud == spec.cloud and old.cloud.key_matches(spec.cloud, self.environ)
+        new = self._settings(spec, reuse_cloud=old.cloud if same_cloud else None)
+        self.settings = new
+        self.limiter.configure(new.keys.rpm_limits())
+        self.burst.reconfigure(spec.routing.burst.local_rps, max(1.0, spec.routing.burst.local_rps))
+        breaker = BreakerConfig.from_spec(spec.routing.breaker)
+        self.cloud_breaker.reconfigure(breaker)
+        self.pool.reconfigure(breaker)
+        self.windows.window_s = spec.rollout.auto_rollback.window_s
+        if not same_cloud:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing can be using the old client
+                task = asyncio.get_running_loop().create_task(self._close_later(old.cloud))
+                self._retired.append((task, old.cloud))
+        log.info("router settings reloaded")
+
+    async def _close_later(self, cloud: CloudClient) -> None:
+        await asyncio.sleep(OLD_CLOUD_GRACE_S)
+        await cloud.aclose()
+
+    def revision_window(self, revision: int) -> WindowStats:
+        return self.windows.stats(revision, time.monotonic())
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        s = self.settings
+        revisions = []
+        for rev in self.pool.revision_states(now):
+            w = self.windows.stats(rev.revision, now)
+            revisions.append(
+                {
+                    "revision": rev.revision,
+                    "role": rev.role,
+                    "percent": rev.percent,
+                    "ready": rev.ready,
+                    "window": {
+                        "requests": w.requests,
+                        "errors": w.errors,
+                        "error_rate": w.error_rate,
+                        "ttft_p99_ms": w.ttft_p99_ms,
+                        "window_s": w.window_s,
+                    },
+                    "replicas": [
+                        {
+                            "replica": r.replica,
+                            "url": r.url,
+                            "usable": r.usable,
+                            "inflight": r.inflight,
+                            "breaker": self.pool.breaker(r.url).state,
+                            "load": None
+                            if r.load is None
+                            else {
+                                k: getattr(r.load, k)
+                                for k in (
+                                    "waiting",
+                                    "running",
+                                    "free_blocks",
+                                    "total_blocks",
+                                    "predicted_queue_wait_ms",
+                                    "kv_usage",
+                                )
+                            },
+                        }
+                        for r in rev.replicas
+                    ],
+                }
+            )
+        served = {b: self._count("requests", backend=b) for b in (LOCAL, CLOUD)}
+        total = sum(served.values())
+        return {
+            "alias": s.alias,
+            "revisions": revisions,
+            "cloud": {
+                "enabled": s.cloud.enabled,
+                "provider": s.spec.cloud.provider,
+                "model": s.cloud.model,
+                "breaker": self.cloud_breaker.state,
+                "share": served[CLOUD] / total if total else 0.0,
+            },
+            "requests": {"local": served[LOCAL], "cloud": served[CLOUD]},
+            "overflow": {lbl["reason"]: v for lbl, v in self._samples("overflow")},
+        }
+
+    def _samples(self, metric: str):
+        for m in getattr(self.metrics, metric).collect():
+            for smp in m.samples:
+                if smp.name.endswith("_total"):
+                    yield smp.labels, smp.value
+
+    def _count(self, metric: str, **match) -> int:
+        return int(
+            sum(v for lbl, v in self._samples(metric) if all(lbl.get(k) == x for k, x in match.items()))
+        )
+
+    # ---- HTTP --------------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            # one router may serve several servers at once (a re-listen overlaps the old one): close with the last
+            self._lifespans += 1
+            await self.start()
+            try:
+                yield
+            finally:
+                self._lifespans -= 1
+                if self._lifespans == 0:
+                    await self.aclose()
+
+        app = FastAPI(
+            title="llmdeploy router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        )
+        install_error_handlers(app)
+        app.add_middleware(RequestIdMiddleware, on_first_request=self.start)
+        app.router.add_route("/health", self.health, methods=["GET"])
+        app.router.add_route("/ready", self.ready, methods=["GET"])
+        app.router.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.router.add_route("/v1/models", self.models, methods=["GET"])
+        app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.router.add_route("/v1/completions", self.completions, methods=["POST"])
+        return app
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    def can_serve(self) -> bool:
+        now = time.monotonic()
+        local = any(r.ready for r in self.pool.revision_states(now))
+        return local or (self.settings.cloud.enabled and self.cloud_breaker.allows(now))
+
+    async def ready(self, request: Request) -> Response:
+        if self.can_serve():
+            return JSONResponse({"status": "ready"})
+        return overloaded("No backend can serve requests right now.", 1.0).response()
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        s = self.settings
+        try:
+            if not s.keys.metrics_public:
+                s.keys.authenticate(request.headers)
+        except OpenAIError as e:
+            return e.response()
+        for url, br in list(self.pool.breakers.items()):
+            self.metrics.breaker_open.labels(url).set(0 if br.state == "closed" else 1)
+        self.metrics.breaker_open.labels("cloud").set(0 if self.cloud_breaker.state == "closed" else 1)
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        s = self.settings
+        try:
+            s.keys.authenticate(request.headers)
+        except OpenAIError as e:
+            return e.response()
+        model = {"id": s.alias, "object": "model", "created": int(self.started_at), "owned_by": "llmdeploy"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat/completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions")
+
+    async def _serve(self, request: Request, endpoint: str) -> Response:
+        s = self.settings
+        rid = request.scope["state"]["rid"]
+        call = Call(
+            rid,
+            endpoint,
+            {},
+            False,
+            Exchange(s.alias, False, s.bodies),
+            AccessRecord(rid, "POST", f"/v1/{endpoint}"),
+        )
+        try:
+            key = s.keys.authenticate(request.headers)
+            call.rec.key = key.name
+            data = rq.parse_json(await rq.read_body(request, s.max_body))
+            rq.check_alias(data, s.alias)
+            req = rq.validate(data, endpoint)
+            wait = self.limiter.check(key.name, time.monotonic())
+            if wait is not None:
+                raise rate_limited(
+                    f"Rate limit of {key.rpm} requests per minute reached for key '{key.name}'.", wait
+                )
+            call.body, call.stream = data, req.stream
+            call.ex.client_wants_usage = req.include_usage
+            call.rec.stream, call.rec.body = req.stream, data if s.bodies else None
+            facts = self._facts(request, req, key)
+            decision = await self._decide(s, facts)
+        except OpenAIError as e:
+            call.rec.error = e.code or e.type
+            self.finish(call, e.status, "none", None)
+            return e.response()
+        if decision.action == CLOUD and decision.overflow_reason:
+            self.metrics.overflow.labels(decision.overflow_reason).inc()
+            call.rec.overflow = decision.overflow_reason
+        if decision.action not in (CLOUD, LOCAL):
+            err = self._unserved(decision)
+            call.rec.error = err.code
+            self.finish(call, err.status, "none", decision.revision)
+            return err.response()
+        return await self.dispatcher.execute(s, call, decision)
+
+    def _facts(self, request: Request, req, key: KeyInfo) -> RequestFacts:
+        try:
+            pinned = parse_pinned(request.headers.get(PIN_HEADER))
+        except ValueError as exc:
+            raise rq.rejected(400, "invalid_revision", str(exc), param=PIN_HEADER) from None
+        return RequestFacts(
+            prompt_tokens=rq.estimate_prompt_tokens(req),
+            max_tokens=rq.planned_output_tokens(req),
+            key_name=key.name,
+            key_allows_cloud=key.allow_cloud,
+            header_allows_cloud=header_allows_cloud(request.headers.get(ALLOW_CLOUD_HEADER)),
+            sticky_value=request.headers.get(self.settings.sticky_header),
+            pinned_revision=pinned,
+        )
+
+    async def _decide(self, s: Settings, facts: RequestFacts) -> Decision:
+        """Decide; when the answer is 'wait' (no cloud, local full or down), poll until local_wait_s."""
+        deadline = time.monotonic() + s.local_wait_s
+        while True:
+            now = time.monotonic()
+            cloud = CloudState(s.cloud.enabled, self.cloud_breaker.allows(now))
+            d = decide(
+                self.pool.revision_states(now), facts, s.limits, cloud, lambda t=now: self.burst.try_take(t)
+            )
+            if d.action != WAIT or now >= deadline:
+                return d
+            await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - now)))
+
+    def _unserved(self, d: Decision) -> OpenAIError:
+        if d.action == REJECT:
+            return rq.rejected(d.status, d.code, d.message, param=PIN_HEADER)
+        why = {
+            "local_down": "no local engine is up",
+            "queue_depth": "the local engines' queues are full",
+        }.get(d.overflow_reason or "", "the local engines cannot take it")
+        cloud = {
+            "key_no_egress": "this API key may not use the cloud",
+            "request_no_egress": "the request asked to stay local",
+            "cloud_disabled": "the cloud is not enabled",
+            "cloud_breaker_open": "the cloud is failing",
+            "pinned_revision": "a pinned revision is served locally only",
+        }.get(d.egress_denied or "", "")
+        message = f"The request cannot be served now: {why}" + (f" and {cloud}." if cloud else ".")
+        retry = self.cloud_breaker.config.cooldown_s if d.egress_denied == "cloud_breaker_open" else 1.0
+        return overloaded(message, retry)
+
+    def finish(self, call: Call, status: int, backend: str, revision: int | None) -> None:
+        """Book one answered request: metrics, the revision window (local answers), the access log."""
+        now = time.monotonic()
+        ex, rec = call.ex, call.rec
+        rev = revision_label(backend, revision) if backend != "none" else "none"
+        rec.status, rec.backend, rec.revision = status, backend, rev
+        rec.e2e_ms = (now - ex.started) * 1000
+        rec.ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
+        rec.prompt_tokens, rec.completion_tokens = ex.prompt_tokens, ex.completion_tokens
+        if rec.completion_tokens is None and ex.content_events:
+            rec.completion_tokens = ex.content_events
+        if self.settings.bodies and ex.text:
+            rec.completion = "".join(ex.text)
+        m = self.metrics
+        m.requests.labels(backend, rev, str(status)).inc()
+        m.key_requests.labels(rec.key, str(status)).inc()
+        if status >= 400 and status != 499:
+            m.errors.labels(rec.error or str(status)).inc()
+        if backend != "none":
+            m.e2e.labels(backend, rev).observe(now - ex.started)
+            if ex.ttft_s is not None:
+                m.ttft.labels(backend, rev).observe(ex.ttft_s)
+        if backend == CLOUD:
+            m.cloud_tokens.labels("in").inc(ex.prompt_tokens or 0)
+            m.cloud_tokens.labels("out").inc(rec.completion_tokens or 0)
+        if backend == LOCAL and revision is not None and status in (200, 499):
+            ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
+            self.windows.record(revision, ex.failed_after_commit is not None, ttft_ms, now)
+        log_access(rec, self.settings.bodies)
+
+
+def create_router(
+    spec, table: RoutingTable, *, generated_key_hashes: dict[str, str] | None = None, **kwargs
+) -> Router:
+    return Router(spec, table, generated_key_hashes=generated_key_hashes, **kwargs)

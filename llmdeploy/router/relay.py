@@ -1,0 +1,285 @@
+"""One attempt at one backend, up to the commit point, and the stream relay after it.
+
+Commit point: nothing (status, headers, chunks) reaches the client before the first content token. Until then
+a failure is an UpstreamFailure the caller retries or reroutes; after it, a failure ends the stream with an
+OpenAI-shaped error event and `data: [DONE]`, never a fake `finish_reason: stop`. Closing the relay (the
+client went away) closes the upstream stream, so the engine aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from llmdeploy.openai_api.errors import OpenAIError
+from llmdeploy.router.normalize import (
+    UpstreamFailure,
+    body_error,
+    connect_failure,
+    normalize,
+    timeout_failure,
+)
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Exchange:
+    """What the relay learns about one request as it goes (tokens, timings, text for body logging)."""
+
+    alias: str
+    client_wants_usage: bool
+    keep_text: bool = False
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    content_events: int = 0
+    text: list[str] = field(default_factory=list)
+    failed_after_commit: str | None = None  # error kind
+    client_gone: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+
+@dataclass
+class Attempt:
+    backend: str  # "local" | "cloud"
+    client: httpx.AsyncClient
+    url: str
+    headers: dict[str, str]
+    payload: bytes
+    secrets: tuple[str, ...] = ()
+
+
+def upstream_failure(exc: Exception, backend: str) -> UpstreamFailure:
+    if isinstance(exc, UpstreamFailure):
+        return exc
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        return timeout_failure(backend)
+    return connect_failure(backend, exc)
+
+
+async def _open(a: Attempt) -> httpx.Response:
+    req = a.client.build_request(
+        "POST", a.url, content=a.payload, headers={"content-type": "application/json", **a.headers}
+    )
+    try:
+        resp = await a.client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise upstream_failure(exc, a.backend) from None
+    if resp.status_code != 200:
+        try:
+            body = await resp.aread()
+        except httpx.HTTPError:
+            body = b""
+        finally:
+            await close_quietly(resp)
+        raise normalize(resp.status_code, body, resp.headers, backend=a.backend, secrets=a.secrets)
+    return resp
+
+
+async def close_quietly(resp: httpx.Response) -> None:
+    # shielded: runs while the request is being cancelled (client disconnect), and must still reach the engine
+    with anyio.CancelScope(shield=True):
+        with contextlib.suppress(Exception):  # closing a broken connection may raise; nothing to do about it
+            await resp.aclose()
+
+
+def _bad_answer(backend: str, what: str) -> UpstreamFailure:
+    where = "the cloud endpoint" if backend == "cloud" else "the local engine"
+    return UpstreamFailure(
+        OpenAIError(502, f"{where} sent {what}.", code="upstream_error"), True, True, kind="bad_answer"
+    )
+
+
+# ---- non-stream -------------------------------------------------------------------------------------------
+async def fetch_json(a: Attempt, ex: Exchange) -> dict[str, Any]:
+    """The whole answer of a non-stream request, checked for error bodies, with the model set to the alias."""
+    resp = await _open(a)
+    try:
+        raw = await resp.aread()
+    except httpx.HTTPError as exc:
+        raise upstream_failure(exc, a.backend) from None
+    finally:
+        await close_quietly(resp)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise _bad_answer(a.backend, "a body that is not JSON") from None
+    if body_error(data) is not None:  # e.g. Qianfan v1's HTTP 200 {"code": 336501, ...}
+        raise normalize(200, data, resp.headers, backend=a.backend, secrets=a.secrets)
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise _bad_answer(a.backend, "an answer without choices")
+    data["model"] = ex.alias
+    usage = data.get("usage") or {}
+    ex.prompt_tokens, ex.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if ex.keep_text:
+        ex.text = [
+            str((c.get("message") or {}).get("content") or c.get("text") or "") for c in data["choices"]
+        ]
+    return data
+
+
+# ---- stream -----------------------------------------------------------------------------------------------
+async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream (comments and other fields ignored)."""
+    lines: list[str] = []
+    async for line in resp.aiter_lines():
+        if line:
+            if line.startswith("data:"):
+                lines.append(line[6:] if line.startswith("data: ") else line[5:])
+            continue
+        if lines:
+            yield "\n".join(lines)
+            lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+def has_token(obj: dict[str, Any]) -> bool:
+    for ch in obj.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        if ch.get("finish_reason") or ch.get("text"):
+            return True
+        d = ch.get("delta") or {}
+        if d.get("content") or d.get("tool_calls") or d.get("function_call") or d.get("reasoning_content"):
+            return True
+    return False
+
+
+@dataclass
+class OpenStream:
+    """A committed stream: the held-back events, and the rest still to read from `events`."""
+
+    resp: httpx.Response
+    events: AsyncIterator[str]
+    held: list[bytes]
+    done: bool
+    backend: str
+    secrets: tuple[str, ...]
+
+
+def rewrite_event(obj: dict[str, Any], raw: str, ex: Exchange) -> bytes | None:
+    """One chunk as the client gets it: alias as model, usage kept only if asked for; None drops it."""
+    changed = False
+    if "usage" in obj:
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            ex.prompt_tokens = usage.get("prompt_tokens", ex.prompt_tokens)
+            ex.completion_tokens = usage.get("completion_tokens", ex.completion_tokens)
+        if not ex.client_wants_usage:
+            if not obj.get("choices"):
+                return None  # the usage-only chunk we asked for on our own behalf
+            del obj["usage"]
+            changed = True
+    if obj.get("model") != ex.alias:
+        obj["model"] = ex.alias
+        changed = True
+    if has_token(obj):
+        ex.content_events += 1
+        if ex.keep_text:
+            for ch in obj.get("choices") or ():
+                ex.text.append(str((ch.get("delta") or {}).get("content") or ch.get("text") or ""))
+    return b"data: " + (json.dumps(obj, ensure_ascii=False).encode() if changed else raw.encode()) + b"\n\n"
+
+
+def _event_json(data: str, backend: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise _bad_answer(backend, "a stream event that is not JSON") from None
+    if not isinstance(obj, dict):
+        raise _bad_answer(backend, "a stream event that is not an object")
+    return obj
+
+
+async def open_stream(a: Attempt, ex: Exchange) -> OpenStream:
+    """Read until the first content token (the commit point); any failure before it raises UpstreamFailure."""
+    resp = await _open(a)
+    try:
+        if "text/event-stream" not in resp.headers.get("content-type", ""):
+            raw = await resp.aread()  # e.g. an error body with HTTP 200 instead of a stream
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                data = None
+            if body_error(data) is not None:
+                raise normalize(200, data, resp.headers, backend=a.backend, secrets=a.secrets)
+            raise _bad_answer(a.backend, "a non-stream answer to a stream request")
+        events = sse_data(resp)
+        held: list[bytes] = []
+        async for data in events:
+            if data.strip() == "[DONE]":
+                ex.first_token_at = ex.first_token_at or time.monotonic()
+                return OpenStream(resp, events, held, True, a.backend, a.secrets)
+            obj = _event_json(data, a.backend)
+            if body_error(obj) is not None:
+                raise normalize(200, obj, resp.headers, backend=a.backend, secrets=a.secrets)
+            out = rewrite_event(obj, data, ex)
+            if out is not None:
+                held.append(out)
+            if has_token(obj):
+                ex.first_token_at = time.monotonic()
+                return OpenStream(resp, events, held, False, a.backend, a.secrets)
+        raise _bad_answer(a.backend, "a stream that ended before its first token")
+    except BaseException as exc:
+        await close_quietly(resp)
+        if isinstance(exc, httpx.HTTPError):
+            raise upstream_failure(exc, a.backend) from None
+        raise
+
+
+async def relay(s: OpenStream, ex: Exchange, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Everything after the commit point. `on_end` runs exactly once, however the stream ends."""
+    try:
+        for b in s.held:
+            yield b
+        if s.done:
+            yield DONE
+            return
+        try:
+            async for data in s.events:
+                if data.strip() == "[DONE]":
+                    yield DONE
+                    return
+                try:
+                    obj = _event_json(data, s.backend)
+                except UpstreamFailure as f:
+                    ex.failed_after_commit = f.kind
+                    yield f.error.sse_event() + DONE
+                    return
+                if body_error(obj) is not None:
+                    f = normalize(200, obj, s.resp.headers, backend=s.backend, secrets=s.secrets)
+                    ex.failed_after_commit = f.kind
+                    yield f.error.sse_event() + DONE
+                    return
+                out = rewrite_event(obj, data, ex)
+                if out is not None:
+                    yield out
+        except httpx.HTTPError as exc:
+            f = upstream_failure(exc, s.backend)
+            ex.failed_after_commit = f.kind
+            yield f.error.sse_event() + DONE
+            return
+        ex.failed_after_commit = "stream_cut"
+        err = OpenAIError(
+            502, "The upstream stream ended before it was complete.", code="upstream_stream_cut"
+        )
+        yield err.sse_event() + DONE
+    except (GeneratorExit, anyio.get_cancelled_exc_class()):
+        ex.client_gone = True
+        raise
+    finally:
+        await close_quietly(s.resp)
+        on_end()

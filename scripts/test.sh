@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), lint (ruff), then run the whole test suite, slow tests included.
+# Fails on any failure, and when pytest collects no tests (its exit code 5).
+# Extra arguments go to pytest, e.g. scripts/test.sh tests/spec -x
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest -m "slow or not slow" "$@"

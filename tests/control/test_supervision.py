@@ -1,0 +1,204 @@
+"""Supervision and automatic rollback, through the real CLI: two replicas and the fake cloud behind the router;
+kill -9 of an engine, a candidate that cannot start, a candidate that breaks its limits, secrets hygiene and
+--foreground. The tests share one deployment and run in file order."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmdeploy.control.supervisor import pid_alive
+from tests.control.conftest import (
+    ALIAS,
+    LLMDEPLOY,
+    Cli,
+    base_spec,
+    pids_of,
+    port_open,
+    revision,
+    send_many,
+    split_of,
+    wait_for,
+    write_spec,
+)
+from tests.helpers.fake_cloud import FakeCloud
+
+NAME = "sup"
+CLIENT_SECRET = "sk-client-secret-4f1d9a7e2c"
+CLOUD_SECRET = "bce-v3/ALTAK-cloud-secret-88b2"
+ENV = {"SUP_APP_KEY": CLIENT_SECRET, "SUP_CLOUD_KEY": CLOUD_SECRET}
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("sup")
+    cloud = FakeCloud(root, expected_key=CLOUD_SECRET).start()
+    cli = Cli(root / "home", env=ENV)
+    v1 = base_spec(
+        NAME, tiny_llama,
+        parallel={"replicas": 2},
+        auth={"api_key_required": True, "keys": [{"name": "app", "key_env": "SUP_APP_KEY"}]},
+        cloud={"enabled": True, "provider": "openai-compatible", "base_url": f"{cloud.base}/v1",
+               "api_key_env": "SUP_CLOUD_KEY", "model": "ernie-test", "max_retries": 1, "timeout_s": 10},
+    )  # fmt: skip
+    broken_model = root / "broken-model"
+    shutil.copytree(tiny_llama, broken_model)
+    (broken_model / "model.safetensors").write_bytes(b"\x00" * 64)  # passes validate, fails to load
+    broken = {**v1, "model": {**v1["model"], "path": str(broken_model)}, "parallel": {"replicas": 1}}
+    failing = {
+        **v1, "parallel": {"replicas": 1},
+        # the candidate "breaks its SLA" on every request: a TTFT limit no engine can meet
+        "rollout": {"canary_percent": 50, "auto_rollback": {"max_ttft_p99_ms": 0.001, "min_requests": 10, "window_s": 30}},
+    }  # fmt: skip
+    files = {
+        "v1": write_spec(root / "v1.yaml", v1),
+        "broken": write_spec(root / "broken.yaml", broken),
+        "failing": write_spec(root / "failing.yaml", failing),
+    }
+    yield {"cli": cli, "files": files, "url": f"http://{v1['listen']}", "cloud": cloud, "root": root}
+    cli.cleanup(NAME)
+    cli.cleanup("fg")
+    cloud.stop()
+
+
+HEADERS = {"authorization": f"Bearer {CLIENT_SECRET}"}
+
+
+def test_apply_with_two_replicas_and_the_cloud(rig):
+    out = rig["cli"].ok("apply", str(rig["files"]["v1"])).stdout
+    assert "2/2 ready" in out and "cloud         on" in out
+    assert "sk-llmd-" not in out  # the key comes from SUP_APP_KEY: nothing generated
+    st = rig["cli"].status(NAME)
+    assert [(r["revision"], r["replica"], r["ready"]) for r in st["replicas"]] == [
+        (1, "r1", True),
+        (1, "r2", True),
+    ]
+
+
+def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
+    st = rig["cli"].status(NAME)
+    victim = next(r for r in st["replicas"] if r["replica"] == "r1")
+    codes: list[int] = []
+    backends: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            for r in send_many(rig["url"], [None] * 4, HEADERS, concurrency=4):
+                codes.append(r.status_code)
+                backends.append(r.headers.get("x-llmdeploy-backend", "?"))
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        def restarted():
+            r1 = next(r for r in rig["cli"].status(NAME)["replicas"] if r["replica"] == "r1")
+            return r1["ready"] and r1["pid"] != victim["pid"] and r1["restarts"] == 1
+
+        wait_for(restarted, 90, 0.5, "r1 to be restarted")
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join(60)
+    assert codes and set(codes) == {200}, sorted(set(codes))
+    kinds = [(e["kind"], e["revision"]) for e in rig["cli"].status(NAME)["events"]]
+    assert ("engine-crash", 1) in kinds and ("engine-restart", 1) in kinds
+    assert not pid_alive(victim["pid"])
+    print(f"{len(codes)} requests during the crash; backends: {sorted(set(backends))}")
+
+
+def test_a_candidate_that_cannot_start_fails_and_stable_keeps_serving(rig):
+    r = rig["cli"].run("apply", str(rig["files"]["broken"]))
+    assert r.returncode == 1 and "revision 2 failed to start" in r.stderr, r.stderr
+    st = rig["cli"].status(NAME)
+    assert revision(st, 2)["state"] == "failed" and split_of(st) == {1: 100.0}
+    assert pids_of(st, 2) == []
+    assert any(e["kind"] == "engine-failed" and e["revision"] == 2 for e in st["events"])
+    assert {x.status_code for x in send_many(rig["url"], ["a", "b", "c"], HEADERS)} == {200}
+
+
+def test_a_candidate_breaking_its_limits_is_rolled_back_automatically(rig):
+    rig["cli"].ok("apply", str(rig["files"]["failing"]))
+    st = rig["cli"].status(NAME)
+    assert split_of(st) == {1: 50.0, 3: 50.0}  # rollout.canary_percent once ready
+    candidate_pids = pids_of(st, 3)
+
+    def rolled_back():
+        send_many(rig["url"], [f"s{i}" for i in range(20)], HEADERS, stream=True)
+        return revision(rig["cli"].status(NAME), 3)["state"] == "rolled-back"
+
+    wait_for(rolled_back, 60, 0.5, "the automatic rollback")
+    st = rig["cli"].status(NAME)
+    assert split_of(st) == {1: 100.0}
+    event = next(e for e in st["events"] if e["kind"] == "auto-rollback")
+    assert event["revision"] == 3 and "TTFT p99" in event["message"]
+    numbers = event["data"]
+    assert numbers["requests"] >= 10 and numbers["ttft_p99_ms"] > numbers["max_ttft_p99_ms"] == 0.001
+    assert "automatic: TTFT p99" in revision(st, 3)["reason"]
+    assert "last auto-rollback" in rig["cli"].ok("status").stdout.replace("\n", " ")
+    wait_for(
+        lambda: not any(pid_alive(p) for p in candidate_pids), 30, what="the candidate's engines to stop"
+    )
+    r = rig["cli"].run("apply", str(rig["files"]["failing"]))
+    assert r.returncode == 1 and "roll forward again" in r.stderr
+
+
+def test_secrets_never_reach_state_logs_status_or_engines(rig):
+    home = rig["cli"].home / NAME
+    blobs = [p.read_bytes() for p in home.rglob("*") if p.is_file() and p.suffix != ".sock"]
+    blobs += [
+        rig["cli"].ok(*args).stdout.encode()
+        for args in (("status", "--json"), ("status",), ("history", "--json"), ("logs", "--lines", "500"))
+    ]
+    for secret in (CLIENT_SECRET, CLOUD_SECRET):
+        assert not any(secret.encode() in b for b in blobs), secret
+    assert any(b"SUP_APP_KEY" in b for b in blobs)  # stored by name
+    for pid in pids_of(rig["cli"].status(NAME), 1):
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert CLIENT_SECRET.encode() not in environ and CLOUD_SECRET.encode() not in environ
+
+
+def test_foreground_runs_attached_and_drains_on_sigterm(rig, tiny_llama):
+    spec = base_spec("fg", tiny_llama)
+    path = write_spec(rig["root"] / "fg.yaml", spec)
+    port = int(spec["listen"].split(":")[1])
+    proc = subprocess.Popen([LLMDEPLOY, "apply", "--foreground", str(path)], env=rig["cli"].env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_for(lambda: (rig["cli"].home / "fg" / "admin.sock").exists(), 60, what="the foreground daemon")
+        wait_for(
+            lambda: (
+                all(r["ready"] for r in rig["cli"].status("fg")["replicas"])
+                and rig["cli"].status("fg")["replicas"]
+            ),
+            90,
+            0.5,
+            "fg ready",
+        )
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 1}
+        )
+        assert r.status_code == 200
+        several = rig["cli"].run("status")
+        assert several.returncode == 1 and "several deployments" in several.stderr
+        engine_pids = pids_of(rig["cli"].status("fg"), 1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "running in the foreground" in out
+    assert not port_open(port) and not any(pid_alive(p) for p in engine_pids)
+    assert rig["cli"].status("fg")["daemon"]["running"] is False

@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmdeploy.engine import LLM, SamplingParams
+from llmdeploy.engine.errors import ParamError
+from llmdeploy.engine.sampler import Sampler
+from llmdeploy.engine.sequence import Sequence
+from tests.engine.test_engine_parity import hf_greedy, prompts
+
+EOS = 2
+
+
+def sample(logits, *params_and_outputs, sampler=None):
+    sampler = sampler or Sampler(seed=0)
+    seqs = []
+    for params, prompt, outputs in params_and_outputs:
+        s = Sequence(prompt, params)
+        for t in outputs:
+            s.append(t)
+        if params.seed is not None:
+            s.generator = sampler.make_generator(params.seed)
+        seqs.append(s)
+    return sampler(torch.as_tensor(logits, dtype=torch.float32), [(s, i) for i, s in enumerate(seqs)], [EOS])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01)
+
+
+# --- sampler unit tests
+
+
+def test_greedy_is_argmax_and_ties_pick_the_lowest_id():
+    tokens, _ = sample([[0.0, 3.0, 3.0, 1.0]], (SamplingParams(temperature=0), [0], []))
+    assert tokens == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = [[0.0, 0.0, 9.0, 8.0, 1.0]]
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    assert sample(logits, (p, [0], []))[0] == [4]
+    assert sample(logits, (p, [0], [4, 4]))[0] == [EOS]  # reached: EOS allowed again
+
+
+def test_repetition_penalty_hf_style_over_prompt_and_output():
+    logits = [[0.0, 4.0, 3.0, -1.0]]
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits, (p, [1], []))[0] == [2]  # 4/2 < 3
+    assert sample(logits, (p, [0], [1]))[0] == [2]
+    assert sample([[0.0, -1.0, -1.5, -3.0]], (p, [0], [1]))[0] == [0]  # negative logits are multiplied
+
+
+def test_presence_and_frequency_penalties_count_output_only():
+    logits = [[0.0, 3.0, 2.5, 0.0]]
+    pres = SamplingParams(temperature=0, presence_penalty=1.0)
+    assert sample(logits, (pres, [1, 1, 1], []))[0] == [1]  # prompt tokens are not penalized
+    assert sample(logits, (pres, [0], [1]))[0] == [2]
+    freq = SamplingParams(temperature=0, frequency_penalty=0.3)
+    assert sample(logits, (freq, [0], [1]))[0] == [1]  # 3 - 0.3 > 2.5
+    assert sample(logits, (freq, [0], [1, 1]))[0] == [2]  # 3 - 0.6 < 2.5
+
+
+def test_top_k_one_equals_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1).tolist()
+    params = [(SamplingParams(temperature=1.5, top_k=1), [0], []) for _ in range(8)]
+    assert sample(logits, *params)[0] == greedy
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    params = [(SamplingParams(temperature=1.0, top_p=0.7, seed=i), [0], []) for i in range(200)]
+    tokens, _ = sample(probs.log().expand(200, 4), *params)
+    assert set(tokens) == {0, 1}
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
+    params = [(SamplingParams(temperature=1.0, min_p=0.2, seed=i), [0], []) for i in range(200)]
+    assert set(sample(probs.log().expand(200, 4), *params)[0]) == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    params = [(SamplingParams(temperature=1.0), [0], []) for _ in range(2000)]
+    tokens, _ = sample(probs.log().expand(2000, 3), *params)
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 2000
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=0.5, logprobs=3, seed=0, repetition_penalty=1.5)
+    tokens, lps = sample(logits, (p, [1, 2], []), (SamplingParams(temperature=0), [1], []))
+    ref = torch.log_softmax(logits[0], -1)
+    assert lps[1] is None and lps[0].token_id == tokens[0]
+    assert lps[0].logprob == pytest.approx(ref[tokens[0]].item(), abs=1e-5)
+    top_v, top_i = ref.topk(3)
+    assert [t for t, _ in lps[0].top] == top_i.tolist()
+    assert [v for _, v in lps[0].top] == pytest.approx(top_v.tolist(), abs=1e-5)
+
+
+def test_validate_names_the_param():
+    for kw, param in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"top_k": -2}, "top_k"),
+    ]:
+        with pytest.raises(ParamError) as e:
+            SamplingParams(**kw).validate()
+        assert e.value.param == param
+
+
+# --- through the engine
+
+
+def test_greedy_is_batch_invariant(llm, tiny_llama):
+    target = prompts(1, seed=11, lo=30, hi=30)[0]
+    alone = llm.generate([target], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    others = prompts(15, seed=12, lo=1, hi=80)
+    mixed = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, ignore_eos=True)] * 15
+    outs = llm.generate(
+        others[:7] + [target] + others[7:],
+        mixed[:7] + [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] + mixed[7:],
+    )
+    assert outs[7].outputs[0].token_ids == alone.outputs[0].token_ids == hf_greedy(tiny_llama, target, 20)
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    p = prompts(1, seed=13)[0]
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    a = llm.generate([p], seeded)[0].outputs[0].token_ids
+    noise = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 5
+    b = llm.generate(prompts(5, seed=14) + [p], noise + [seeded])[-1].outputs[0].token_ids
+    c = llm.generate([p], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert a == b and c.outputs[0].token_ids != a
+
+
+def test_top_k_one_equals_greedy_in_the_engine(llm):
+    p = prompts(2, seed=15)
+    greedy = llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    topk = llm.generate(p, SamplingParams(temperature=0.8, top_k=1, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk]
+
+
+def test_n_streams_are_distinct_and_reproducible_with_a_seed(llm):
+    p = prompts(1, seed=16)[0]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = llm.generate([p], params)[0]
+    streams = [c.token_ids for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(s) for s in streams}) == 4 and all(len(s) == 12 for s in streams)
+    again = llm.generate([p], params)[0]
+    assert [c.token_ids for c in again.outputs] == streams
+    greedy = llm.generate([p], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+
+
+def test_min_tokens_and_stop_token_ids_in_the_engine(llm):
+    p = prompts(1, seed=17)[0]
+    first = (
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    stopped = llm.generate([p], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first[0]]))[
+        0
+    ].outputs[0]
+    assert (
+        stopped.token_ids == first[:1] and stopped.finish_reason == "stop" and stopped.stop_reason == first[0]
+    )
+    held = llm.generate(
+        [p],
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[first[0]], ignore_eos=True),
+    )[0].outputs[0]
+    assert first[0] not in held.token_ids[:3]
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.engine.arch.eos_token_ids[0]
+    # which prompt's greedy continuation reaches EOS is up to the random model: try a batch, check the first
+    batch = prompts(40, seed=18, lo=2, hi=30)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=40))
+    hit = next((i for i, o in enumerate(outs) if o.outputs[0].finish_reason == "stop"), None)
+    if hit is None:
+        pytest.skip("no prompt reached EOS on this random model")
+    out = outs[hit].outputs[0]
+    assert out.token_ids[-1] == eos and out.stop_reason is None
+    ignored = llm.generate([batch[hit]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 40
+    assert ignored.token_ids[: len(out.token_ids)] == out.token_ids
+
+
+def test_logprobs_match_transformers(llm, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    p = prompts(1, seed=19, lo=10, hi=10)[0]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert len(out.logprobs) == 4 and all(len(lp.top) == 5 for lp in out.logprobs)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1 : -1]
+    ref = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i] == lp.top[0][0]  # greedy: the chosen one is the best
+        assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-4)
+        assert [v for _, v in lp.top] == pytest.approx(ref[i].topk(5).values.tolist(), abs=1e-4)

@@ -1,0 +1,236 @@
+from __future__ import annotations
+
+import pytest
+
+from llmdeploy.engine.errors import CapacityError, ContextLengthError
+from llmdeploy.engine.sequence import SequenceStatus
+from tests.engine.sim import make_scheduler, run_all, seq, step
+
+
+def test_decodes_first_then_prefill_gets_the_rest_of_the_budget():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    running = [seq(3, max_tokens=20, start=i * 10) for i in range(3)]
+    for s in running:
+        sched.add(s)
+    step(sched)  # 9 prompt tokens, one step
+    assert all(s.num_uncomputed == 1 for s in running)
+    long = seq(50, start=500)
+    sched.add(long)
+    batch = step(sched)
+    assert batch.decodes == running
+    assert batch.prefills == [(long, 7)]
+    assert batch.num_tokens == 10
+
+
+def test_long_prompt_is_chunked_and_running_decodes_never_stall():
+    sched = make_scheduler(max_num_batched_tokens=16, num_blocks=64)
+    short = seq(4, max_tokens=30)
+    sched.add(short)
+    step(sched)
+    long = seq(100, start=1000)
+    sched.add(long)
+    chunks = []
+    while long.num_uncomputed > 1 or not long.output_token_ids:
+        n_out = short.num_output_tokens
+        batch = step(sched)
+        assert short.num_output_tokens == n_out + 1  # a token every step while the long prompt prefills
+        assert batch.num_tokens <= 16
+        chunks += [n for s, n in batch.prefills if s is long]
+    assert sum(chunks) == 100 and max(chunks) <= 15
+
+
+def test_several_partial_prefills_share_a_step():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    a, b = seq(10), seq(12, start=100)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [(s, n) for s, n in batch.prefills] == [(a, 10), (b, 12)]
+
+
+def test_shortest_remaining_prefill_goes_first():
+    sched = make_scheduler(max_num_batched_tokens=16, num_blocks=128)
+    long = seq(200)
+    sched.add(long)
+    step(sched)
+    short = seq(5, start=1000)
+    sched.add(short)
+    batch = sched.schedule()
+    assert batch.prefills == [(short, 5)]  # ahead of the long one's next chunk
+
+
+def test_aging_bounds_how_long_a_long_prompt_waits():
+    aging = 6
+    sched = make_scheduler(
+        max_num_batched_tokens=8, num_blocks=512, max_num_seqs=64, aging_steps=aging
+    )
+    long = seq(40, max_tokens=1, start=5000)
+    sched.add(long)
+    got = []
+    for i in range(30):  # two fresh 4-token prompts arrive every step: shorts alone would fill the budget
+        sched.add(seq(4, max_tokens=1, start=i * 100))
+        sched.add(seq(4, max_tokens=1, start=i * 100 + 50))
+        batch = step(sched)
+        got.append(any(s is long for s, _ in batch.prefills))
+    assert not any(got[: aging - 1])  # starved while young
+    assert all(got[aging - 1 : aging + 4])  # aged: it goes first until its prefill is done
+    assert long.is_finished
+
+
+def test_a_step_that_completes_a_prompt_carries_no_young_partial_chunk():
+    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128, aging_steps=100)
+    other = seq(4, max_tokens=50, start=900)
+    sched.add(other)
+    step(sched)
+    long = seq(100)
+    sched.add(long)
+    batch = step(sched)
+    assert batch.decodes == [other] and batch.prefills == [(long, 31)]
+    short = seq(6, start=500)
+    sched.add(short)
+    batch = step(sched)
+    assert batch.prefills == [(short, 6)]  # the short prompt's step stays short
+    batch = step(sched)
+    assert batch.prefills == [(long, 30)]  # two decodes now
+
+
+def test_an_aged_partial_chunk_goes_before_short_ones():
+    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128, aging_steps=2)
+    other = seq(4, max_tokens=50, start=900)
+    sched.add(other)
+    step(sched)
+    long = seq(100)
+    sched.add(long)
+    step(sched)
+    step(sched)
+    short = seq(6, start=500)
+    sched.add(short)
+    assert step(sched).prefills == [(long, 31)]  # aged: first, whatever waits behind it
+    assert step(sched).prefills == [(long, 7), (short, 6)]  # its last chunk; the short one gets the rest
+    assert short.num_output_tokens == 1
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
+    seqs = [seq(2, max_tokens=5, start=i * 10) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(3):
+        step(sched)
+        assert len(sched.running) <= 3
+    assert sum(s.status is SequenceStatus.RUNNING for s in seqs) == 3
+    run_all(sched)
+    assert all(s.is_finished for s in seqs)
+
+
+def test_max_num_seqs_is_capped_by_the_token_budget():
+    sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=16)
+    assert sched.max_num_seqs == 16
+
+
+def test_preemption_victim_is_the_most_recently_admitted():
+    # 6 blocks of 4: three 8-token prompts take 2 blocks each; the first decode needs a third
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24)
+    sched.watermark_blocks = 0
+    a, b, c = (seq(8, max_tokens=6, start=i * 100, rid=str(i)) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    assert sched.running == [a, b, c]
+    batch = step(sched)
+    assert batch.preempted == [c] and sched.num_preemptions == 1
+    assert sched.waiting[0] is c and c.status is SequenceStatus.WAITING and not c.block_table
+    assert c.num_preemptions == 1 and c.num_output_tokens == 1  # keeps its token; recomputed later
+    run_all(sched)
+    assert all(s.is_finished and s.num_output_tokens == 6 for s in (a, b, c))
+    assert sched.bm.num_free_blocks == 6
+
+
+def test_preempted_sequence_goes_back_first():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24)
+    sched.watermark_blocks = 0
+    a, b, c = (seq(8, max_tokens=6, start=i * 100) for i in range(3))
+    for s in (a, b, c):
+        sched.add(s)
+    step(sched)
+    step(sched)  # c preempted
+    late = seq(2, start=900)
+    sched.add(late)
+    order = sched._prefill_order()
+    assert order[0] is c
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=16)
+    a, b = seq(9), seq(5, start=100)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    free = sched.bm.num_free_blocks
+    sched.finish(a, "abort")
+    assert sched.bm.num_free_blocks == free + 3
+    assert a not in sched.running and a.finish_reason == "abort"
+    sched.finish(b, "abort")
+    assert sched.bm.num_free_blocks == 16 and not sched.has_unfinished()
+
+
+def test_abort_of_a_waiting_sequence():
+    sched = make_scheduler()
+    a = seq(4)
+    sched.add(a)
+    sched.finish(a, "abort")
+    assert not sched.waiting and a.is_finished
+
+
+def test_finished_sequences_leave_at_once():
+    sched = make_scheduler()
+    a = seq(4, max_tokens=1)
+    sched.add(a)
+    step(sched)
+    assert a.is_finished and not sched.running and sched.bm.num_free_blocks == sched.bm.num_blocks
+
+
+def test_never_fits_is_rejected_at_once():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(ContextLengthError):
+        sched.check_fits(90, 20)
+    with pytest.raises(CapacityError):
+        sched.check_fits(10, 7)  # 17 tokens > 16 in the whole cache
+    sched.check_fits(10, 6)
+
+
+def test_a_request_as_big_as_the_whole_cache_still_runs():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
+    s = seq(10, max_tokens=6)
+    sched.check_fits(10, 6)
+    sched.add(s)
+    run_all(sched)
+    assert s.num_output_tokens == 6
+
+
+def test_n_forks_share_the_prompt_blocks():
+    sched = make_scheduler(num_blocks=32)
+    parent = seq(6, max_tokens=3, n=3)
+    sched.add(parent)
+    batch = sched.schedule()
+    assert len(batch.forks) == 2
+    assert [row for _, row in batch.samples] == [0, 0, 0]  # all three sample from the prompt's logits
+    children = [c for _, c in batch.forks]
+    assert all(c.block_table == parent.block_table for c in children)
+    assert sched.bm.blocks[parent.block_table[0]].ref_count == 3
+    sched.postprocess(batch)
+    for i, (s, _) in enumerate(batch.samples):
+        s.append(i)
+    batch = step(sched)
+    assert len(batch.decodes) == 3
+    assert len(batch.blocks_to_copy) == 2  # the partial prompt block: copy on write for all but the last
+    run_all(sched)
+    assert sched.bm.num_free_blocks == 32
+
+
+def test_n_reserves_sequence_slots():
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add(seq(3, n=3))
+    sched.add(seq(3, n=2, start=50))
+    batch = sched.schedule()
+    assert len(batch.prefills) == 1  # 3 + 2 slots > 4
