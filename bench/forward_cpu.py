@@ -36,8 +36,18 @@ PROMPTS = [
 ]
 
 
-def timed(fn, reps: int) -> list[float]:
-    fn()
+def wait_until_quiet(max_load: float, give_up_s: float = 900) -> None:
+    """On a shared machine: wait (up to give_up_s) until the 1-minute load average is below max_load."""
+    deadline = time.time() + give_up_s
+    while max_load > 0 and os.getloadavg()[0] > max_load and time.time() < deadline:
+        time.sleep(10)
+
+
+def timed(fn, reps: int, first: list | None = None) -> list[float]:
+    t = time.perf_counter()
+    fn()  # warm-up (and compilation, when on)
+    if first is not None:
+        first.append(time.perf_counter() - t)
     out = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -72,8 +82,10 @@ def speed(dtype: str, reps: int) -> dict:
         for batch in (1, 32):
             driver = PagedDriver(lm.model, arch, lm.dtype, max_seqs=batch, max_len=256)
             seqs = fake_context(driver, batch, 200)
-            ts = timed(lambda seqs=seqs, driver=driver: decode_step(driver, seqs), reps)
+            first: list[float] = []
+            ts = timed(lambda seqs=seqs, driver=driver: decode_step(driver, seqs), reps, first)
             out[f"decode_b{batch}_ctx200_ms"] = summary(ts)
+            out[f"decode_b{batch}_first_call_s"] = round(first[0], 2)
         for n in (128, 512):
             driver = PagedDriver(lm.model, arch, lm.dtype, max_seqs=1, max_len=n)
             seq = driver.new_seq(list(range(100, 100 + n)))
@@ -98,34 +110,48 @@ def parity(dtype: str, new_tokens: int = 32) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(cached_gguf_folder(lm.source.path), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # run every continuation to its full length on both sides
     prompts = [chat_ids(lm.tokenizer, t) for t in PROMPTS] + [salad_ids(lm.tokenizer, i) for i in range(4)]
-    same, first_diff, max_diff, scale = 0, [], 0.0, 0.0
+    same, first_diff, agree, total, max_diff, scale = 0, [], 0, 0, 0.0, 0.0
     with torch.inference_mode():
         for ids in prompts:
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[
-                0, len(ids) :
-            ].tolist()
+            ref = hf_greedy(hf, ids, new_tokens)
             driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=1, max_len=len(ids) + new_tokens + 1)
             got = driver.generate_greedy([ids], new_tokens)[0]
             same += got == ref
             first_diff.append(
                 next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
             )
-            ref_logits = hf(torch.tensor([ids])).logits[0].float()
-            d2 = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=1, max_len=len(ids))
-            hidden, _ = d2.forward([(d2.new_seq(ids), len(ids))], [])
-            max_diff = max(max_diff, float((lm.model.compute_logits(hidden) - ref_logits).abs().max()))
+            # teacher-forced along transformers' continuation: top-1 agreement and logits at every position
+            full = ids + ref[:-1]
+            ref_logits = hf(torch.tensor([full])).logits[0].float()
+            d2 = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=1, max_len=len(full))
+            hidden, _ = d2.forward([(d2.new_seq(full), len(full))], [])
+            ours = lm.model.compute_logits(hidden)
+            agree += int((ours[len(ids) - 1 :].argmax(-1) == torch.tensor(ref)).sum())
+            total += len(ref)
+            max_diff = max(max_diff, float((ours - ref_logits).abs().max()))
             scale = max(scale, float(ref_logits.abs().max()))
     return {
         "greedy_identical": f"{same}/{len(prompts)} ({new_tokens} tokens)",
         "first_divergence": first_diff,
+        "teacher_forced_top1_agreement": round(agree / total, 4),
         "logits_max_abs_diff": round(max_diff, 5),
         "logits_max_abs": round(scale, 2),
     }
 
 
+def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation. The explicit mask matters: without it generate masks every prompt
+    token equal to pad_token_id once eos_token_id is unset (SmolLM2's pad is <|im_end|>)."""
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
 def chat_ids(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tok(chat, add_special_tokens=False)["input_ids"]
 
 
 def salad_ids(tok, i: int, n: int = 128) -> list[int]:
@@ -168,6 +194,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--quiet-load", type=float, default=0.0, help="wait for a 1-min load average below this")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LLMDEPLOY_THREADS", "2")))
     results = {
@@ -177,7 +204,9 @@ def main() -> None:
         "load_avg": os.getloadavg(),
     }
     for dtype in args.dtypes.split(","):
+        wait_until_quiet(args.quiet_load)
         results[dtype] = speed(dtype, args.reps)
+        results[dtype]["load_avg_after"] = os.getloadavg()
         if args.parity:
             results[dtype]["parity"] = parity(dtype)
         print(dtype, json.dumps(results[dtype], indent=1), flush=True)

@@ -9,7 +9,7 @@ in front of it (`python -m llmdeploy.router`, auth on), and, given a Python that
 target it measures latency at a fixed arrival rate (open loop, --rate req/s for --seconds) and the maximum
 req/s with --concurrency connections each sending small non-streaming requests back to back. The client is a
 minimal keep-alive HTTP/1.1 client on raw asyncio streams, so it adds as little as possible of its own.
-Prints a table and appends it to --results.
+Prints a table (and appends it to --results FILE when given).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pathlib import Path
 
 ALIAS = "chat-model-v1"
 KEY = "sk-bench-0123456789"
-BODY = json.dumps({"model": ALIAS, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8}).encode()
+BODY = json.dumps(
+    {"model": ALIAS, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8}
+).encode()
 ANSWER = json.dumps({
     "id": "cmpl-bench", "object": "chat.completion", "created": 1, "model": ALIAS,
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi there!"}, "finish_reason": "stop"}],
@@ -58,7 +60,9 @@ async def upstream_app(scope, receive, send) -> None:
     while more:  # drain the request body
         msg = await receive()
         more = msg.get("more_body", False)
-    body = LOAD if scope["path"] == "/load" else (b'{"status":"ok"}' if scope["path"] == "/health" else ANSWER)
+    body = (
+        LOAD if scope["path"] == "/load" else (b'{"status":"ok"}' if scope["path"] == "/health" else ANSWER)
+    )
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -110,7 +114,9 @@ class Conn:
             self.writer.close()
 
 
-async def fixed_rate(port: int, path: str, headers: dict, rate: float, seconds: float) -> tuple[list[float], int]:
+async def fixed_rate(
+    port: int, path: str, headers: dict, rate: float, seconds: float
+) -> tuple[list[float], int]:
     """Open loop: requests start every 1/rate s whatever happens; latency counts from the scheduled start."""
     idle: list[Conn] = []
     lat: list[float] = []
@@ -118,16 +124,21 @@ async def fixed_rate(port: int, path: str, headers: dict, rate: float, seconds: 
 
     async def one(t_sched: float) -> None:
         nonlocal errors
-        conn = idle.pop() if idle else Conn("127.0.0.1", port, path, headers)
-        try:
-            status = await conn.send()
+        for reused in (bool(idle), False):  # a keep-alive connection the server timed out: once more, fresh
+            conn = idle.pop() if reused else Conn("127.0.0.1", port, path, headers)
+            try:
+                status = await conn.send()
+            except (OSError, asyncio.IncompleteReadError, ValueError):
+                conn.close()
+                if reused:
+                    continue
+                errors += 1
+                return
             if status != 200:
                 errors += 1
             lat.append(time.perf_counter() - t_sched)
             idle.append(conn)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            errors += 1
-            conn.close()
+            return
 
     tasks = []
     start = time.perf_counter()
@@ -144,7 +155,9 @@ async def fixed_rate(port: int, path: str, headers: dict, rate: float, seconds: 
     return lat, errors
 
 
-async def max_throughput(port: int, path: str, headers: dict, concurrency: int, seconds: float) -> tuple[float, int]:
+async def max_throughput(
+    port: int, path: str, headers: dict, concurrency: int, seconds: float
+) -> tuple[float, int]:
     done = errors = 0
     stop_at = time.perf_counter() + seconds
 
@@ -203,6 +216,12 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def router_path(extra: str | None) -> dict[str, str]:
+    if not extra:
+        return {}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (extra, os.environ.get("PYTHONPATH")) if p)}
+
+
 def router_config(tmp: Path, port: int) -> Path:
     cfg = tmp / "llmdeploy.yaml"
     cfg.write_text(
@@ -228,12 +247,26 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000
 
 
-async def measure(port: int, path: str, headers: dict, args) -> dict:
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU of a process and its children so far (Linux /proc); 0 where unavailable."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def measure(port: int, path: str, headers: dict, args, pid: int | None) -> dict:
     await fixed_rate(port, path, headers, args.rate, 1.0)  # warm up connections and code paths
     lat, err = await fixed_rate(port, path, headers, args.rate, args.seconds)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     rps, err2 = await max_throughput(port, path, headers, args.concurrency, args.seconds)
+    done = rps * (time.perf_counter() - t0)
+    cpu_ms = (cpu_seconds(pid) - cpu0) / done * 1000 if done and pid else float("nan")
     return {"p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "mean": statistics.mean(lat) * 1000, "rps": rps,
-            "errors": err + err2, "n": len(lat)}  # fmt: skip
+            "cpu_ms": cpu_ms, "errors": err + err2, "n": len(lat)}  # fmt: skip
 
 
 def main() -> int:
@@ -241,8 +274,13 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=200)
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--litellm-python", default=None, help="a Python with litellm[proxy] installed (its own venv)")
-    ap.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    ap.add_argument(
+        "--litellm-python", default=None, help="a Python with litellm[proxy] installed (its own venv)"
+    )
+    ap.add_argument(
+        "--router-path", default=None, help="extra PYTHONPATH for the router only (e.g. uvloop/httptools)"
+    )
+    ap.add_argument("--results", default=None, help="append the table to this file (e.g. bench/RESULTS.md)")
     ap.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream:
@@ -254,21 +292,31 @@ def main() -> int:
     procs = []
     results: dict[str, dict] = {}
     try:
-        procs.append(start([sys.executable, __file__, "--serve-upstream", str(up)], f"http://127.0.0.1:{up}/health"))
+        procs.append(
+            start([sys.executable, __file__, "--serve-upstream", str(up)], f"http://127.0.0.1:{up}/health")
+        )
         procs.append(start([sys.executable, "-m", "llmdeploy.router", "--config", str(router_config(tmp, rp)),
                             "--engine", f"http://127.0.0.1:{up}"], f"http://127.0.0.1:{rp}/health",
-                           env={"BENCH_KEY": KEY}))  # fmt: skip
+                           env={"BENCH_KEY": KEY, **router_path(args.router_path)}))  # fmt: skip
         auth = {"authorization": f"Bearer {KEY}"}
-        targets = [("direct", up, {}), ("llmdeploy router", rp, auth)]
+        # the proxy's own process: its CPU per request is the overhead least disturbed by a busy machine
+        targets = [("direct", up, {}, procs[0].pid), ("llmdeploy router", rp, auth, procs[1].pid)]
         if args.litellm_python:
             lp = free_port()
             litellm_bin = Path(args.litellm_python).with_name("litellm")
             cmd = [str(litellm_bin) if litellm_bin.exists() else shutil.which("litellm") or "litellm",
                    "--config", str(litellm_config(tmp, up)), "--port", str(lp), "--num_workers", "1"]  # fmt: skip
-            procs.append(start(cmd, f"http://127.0.0.1:{lp}/health/liveliness", env={"LITELLM_LOG": "ERROR"}, timeout_s=240))
-            targets.append(("litellm proxy", lp, auth))
-        for name, port, headers in targets:
-            results[name] = asyncio.run(measure(port, "/v1/chat/completions", headers, args))
+            procs.append(
+                start(
+                    cmd,
+                    f"http://127.0.0.1:{lp}/health/liveliness",
+                    env={"LITELLM_LOG": "ERROR"},
+                    timeout_s=240,
+                )
+            )
+            targets.append(("litellm proxy", lp, auth, procs[2].pid))
+        for name, port, headers, pid in targets:
+            results[name] = asyncio.run(measure(port, "/v1/chat/completions", headers, args, pid))
             print(f"{name:18s} {json.dumps({k: round(v, 2) for k, v in results[name].items()})}", flush=True)
     finally:
         for p in reversed(procs):
@@ -276,8 +324,9 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     report = render(results, args)
     print(report)
-    with open(args.results, "a") as f:
-        f.write(report + "\n")
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(report + "\n")
     return 0
 
 
@@ -288,16 +337,25 @@ def render(r: dict[str, dict], args) -> str:
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"client, upstream and proxies share it. Fixed rate {args.rate:g} req/s for {args.seconds:g} s; "
-        f"max throughput with {args.concurrency} connections for {args.seconds:g} s; small non-streaming chat requests.",
+        f"max throughput with {args.concurrency} connections for {args.seconds:g} s; small non-streaming chat requests"
+        + (f"; router with extra path {args.router_path} (uvloop/httptools)." if args.router_path else "."),
         "",
-        "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | errors |",
-        "|---|---|---|---|---|---|---|",
+        "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | max req/s | server CPU ms/req | errors |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in r.items():
-        added = ("-", "-") if name == "direct" else (f"{m['p50'] - d['p50']:.2f}", f"{m['p99'] - d['p99']:.2f}")
-        lines.append(f"| {name} | {m['p50']:.2f} | {m['p99']:.2f} | {added[0]} | {added[1]} | {m['rps']:.0f} | {m['errors']} |")
+        added = (
+            ("-", "-") if name == "direct" else (f"{m['p50'] - d['p50']:.2f}", f"{m['p99'] - d['p99']:.2f}")
+        )
+        lines.append(
+            f"| {name} | {m['p50']:.2f} | {m['p99']:.2f} | {added[0]} | {added[1]} | {m['rps']:.0f} "
+            f"| {m['cpu_ms']:.3f} | {m['errors']} |"
+        )
     if "litellm proxy" in r:
-        lines += ["", f"Max req/s, router / LiteLLM: {r['llmdeploy router']['rps'] / r['litellm proxy']['rps']:.1f}x"]
+        lines += [
+            "",
+            f"Max req/s, router / LiteLLM: {r['llmdeploy router']['rps'] / r['litellm proxy']['rps']:.1f}x",
+        ]
     return "\n".join(lines) + "\n"
 
 

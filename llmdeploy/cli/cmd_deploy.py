@@ -69,19 +69,23 @@ def apply(
 ) -> None:
     """Start the deployment, or roll the running one to this spec.
 
-    Validates first: an invalid file changes nothing (exit 2). Not running: starts the daemon (detached, state in
-    $LLMDEPLOY_HOME/<name>/) and waits until the engines and the router are ready. Running: an unchanged spec
-    prints "unchanged"; auth/routing/sla/cloud/rollout/logging changes are hot-reloaded; model/engine/parallel
-    changes start a new revision beside the stable one, which takes rollout.canary_percent once ready.
+    Validates first: an invalid file changes nothing (exit 2).
+
+    Not running: starts the daemon (detached; state in $LLMDEPLOY_HOME/<name>/) and waits until it is ready.
+
+    Running: "unchanged"; or a hot reload (auth, routing, sla, cloud, rollout, logging: no request dropped); or a new revision (model, engine, parallel) beside the stable one, taking rollout.canary_percent once ready.
     """
     from llmdeploy.control.controller import ApplyRequest
     from llmdeploy.control.keys import plan_keys, referenced_env
     from llmdeploy.control.revisions import spec_dict
+    from llmdeploy.control.supervisor import unsupported
 
     spec = load_or_exit(file)
     paths = DeploymentPaths.of(spec.name)
     if dry_run:
         return _dry_run(spec, paths)
+    if unsupported(spec):
+        fail(unsupported(spec))
     try:
         paths.create()
     except RuntimeError as e:
@@ -199,6 +203,8 @@ def _wait_ready(client: AdminClient, revision: int | None) -> dict:
     except KeyboardInterrupt:
         plain("interrupted; the deployment keeps starting in the background (`llmdeploy status`)", err=True)
         raise typer.Exit(130) from None
+    except AdminError as e:
+        fail(f"lost the daemon while waiting ({e.message}); see `llmdeploy logs`")
 
 
 def _print_new_keys(new_keys: dict[str, str]) -> None:
@@ -295,9 +301,11 @@ def rollback(
 ) -> None:
     """Abort the canary, or re-deploy the previous revision (like `kubectl rollout undo`).
 
-    During a canary: 100% of traffic back to the stable revision and the candidate's engines stopped. With no
-    canary: the previous revision's spec (or --to-revision N's) starts as a new revision id and takes 100% once
-    ready. A later `apply` of the rolled-back file warns and needs --force.
+    During a canary: 100% of traffic back to the stable revision; the candidate's engines stop.
+
+    With no canary: the previous revision's spec (or --to-revision N's) starts as a new revision id and takes 100% once ready.
+
+    A later `apply` of the rolled-back file warns that it would roll forward again and needs --force.
     """
     paths = _paths(name)
     r = _admin_call(paths.name, lambda c: c.rollback(to_revision))
@@ -324,8 +332,7 @@ def status(
 ) -> None:
     """Revisions, traffic split, replicas with health, KV usage, queues, request rates, cloud share, last events.
 
-    Also why an automatic rollback happened (with its numbers) and engine crashes. Works when the daemon is
-    down too (from state.db).
+    Shows why an automatic rollback happened, with its numbers. Works from state.db when the daemon is down.
     """
     paths = _paths(name)
     try:

@@ -68,7 +68,12 @@ def revisions_table(st: dict[str, Any]) -> Table:
     t = Table(title="Revisions", title_justify="left", show_edge=False)
     for col in ("REV", "STATE", "ROLE", "TRAFFIC", "CREATED", "ORIGIN", "MODEL", "NOTE"):
         t.add_column(col, overflow="fold")
-    for r in st["revisions"]:
+    shown = [
+        r
+        for i, r in enumerate(st["revisions"])
+        if r["state"] in rv.LIVE_STATES or i >= len(st["revisions"]) - 8
+    ]
+    for r in shown:  # the live ones and the recent history; `llmdeploy history` has all
         live = r["state"] in rv.LIVE_STATES
         t.add_row(
             str(r["id"]), Text(r["state"], style=STATE_STYLE.get(r["state"], "")), r.get("role") or "",
@@ -95,7 +100,9 @@ def replicas_table(st: dict[str, Any]) -> Table:
 def traffic_table(st: dict[str, Any]) -> Table:
     router = st.get("router") or {}
     t = Table(title="Traffic (router's sliding windows)", title_justify="left", show_edge=False)
-    for col in ("REV", "ROLE", "SPLIT", "REQUESTS", "REQ/S", "ERROR RATE", "TTFT P99"):
+    window = next((r["window"]["window_s"] for r in router.get("revisions", []) if r.get("window")), None)
+    span = f" ({window:g}s)" if window else ""
+    for col in ("REV", "ROLE", "SPLIT", f"REQUESTS{span}", "REQ/S", "ERROR RATE", "TTFT P99"):
         t.add_column(col)
     for r in router.get("revisions", []):
         w = r.get("window") or {}
@@ -148,7 +155,7 @@ def status_view(st: dict[str, Any]) -> RenderableType:
     judged = st.get("auto_rollback")
     if judged:
         head.add_row("auto-rollback", judged["reason"])
-    last_rb = next((e for e in reversed(st.get("events", [])) if e["kind"] == "auto-rollback"), None)
+    last_rb = st.get("last_auto_rollback")
     if last_rb:
         head.add_row(
             "last auto-rollback", Text(f"{clock(last_rb['ts'])} {last_rb['message']}", style="magenta")
@@ -164,17 +171,19 @@ def status_view(st: dict[str, Any]) -> RenderableType:
 
 
 def history_table(revisions: list[Any], stable: int | None, candidate: int | None) -> Table:
-    t = Table(show_edge=False)
-    for col in ("REV", "STATE", "CREATED", "ORIGIN", "HASH"):
-        t.add_column(col, no_wrap=True)
-    t.add_column("CHANGE", overflow="fold", ratio=2)
-    t.add_column("NOTE", overflow="fold", ratio=1)
+    t = Table(show_edge=False, expand=True)
+    t.add_column("REV", no_wrap=True)
+    t.add_column("STATE", no_wrap=True)
+    t.add_column("CREATED", no_wrap=True)
+    t.add_column("ORIGIN", no_wrap=True)
+    t.add_column("CHANGE", ratio=1, overflow="fold")
+    t.add_column("NOTE", ratio=1, overflow="fold")
     prev = None
     for r in revisions:
         role = " (stable)" if r.id == stable else " (candidate)" if r.id == candidate else ""
         t.add_row(
             str(r.id), Text(r.state + role, style=STATE_STYLE.get(r.state, "")), ago(r.created), r.origin,
-            r.spec_hash, revision_change(prev, r.spec), r.reason,
+            revision_change(prev, r.spec), r.reason,
         )  # fmt: skip
         prev = r.spec
     return t

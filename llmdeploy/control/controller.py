@@ -20,7 +20,7 @@ from llmdeploy.control.keys import referenced_env
 from llmdeploy.control.listener import Listener, ListenError, open_router_listener, router_url
 from llmdeploy.control.paths import DeploymentPaths
 from llmdeploy.control.state import StateStore
-from llmdeploy.control.supervisor import Supervisor, is_our_engine, owner_tag, terminate
+from llmdeploy.control.supervisor import Supervisor, is_our_engine, owner_tag, terminate, unsupported
 from llmdeploy.policies.rollback import RollbackDecision, judge_candidate
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
 from llmdeploy.spec.models import DeploymentSpec
@@ -150,17 +150,20 @@ class Controller:
     async def apply(self, req: ApplyRequest) -> dict[str, Any]:
         new = DeploymentSpec.model_validate(req.spec)
         async with self.lock:
-            if new.parallel.backend != "local":
-                raise ControlError(
-                    "parallel.backend: ray is not supported by this daemon yet; use backend: local", 400
-                )
+            if unsupported(new):
+                raise ControlError(unsupported(new), 400)
             _set_env(req.env, referenced_env(new))
             diff = diff_specs(self.spec, new)
             keys_changed = req.key_hashes != self.key_hashes
             needs_revision = diff.new_revision or self.stable is None
+            self._refuse_alias_change(new)
             if needs_revision and not diff.created and not req.force:
                 self._refuse_rolled_back(new)
             if diff.unchanged and not keys_changed and not needs_revision:
+                try:  # a recovered daemon may have found its port taken: say so rather than wait
+                    await self._serve_router(new)
+                except ListenError as e:
+                    raise ControlError(str(e)) from None
                 return self._apply_result("unchanged", diff)
             old, old_keys = self.spec, self.key_hashes
             self.spec, self.key_hashes = new, dict(req.key_hashes)
@@ -187,6 +190,18 @@ class Controller:
 
     def _apply_result(self, summary: str, diff: Any, revision: int | None = None) -> dict[str, Any]:
         return {"result": summary, "revision": revision, "diff": diff.to_json(), "stable": self.stable}
+
+    def _refuse_alias_change(self, new: DeploymentSpec) -> None:
+        # engines answer only their own alias and the router forwards the client's name unchanged, so two
+        # revisions with different aliases cannot share traffic: one side would answer 404
+        stable = self.store.revision(self.stable) if self.stable else None
+        old = stable.spec["model"]["served_alias"] if stable else None
+        if old is not None and new.model.served_alias != old:
+            raise ControlError(
+                f"model.served_alias cannot change from {old!r} to {new.model.served_alias!r} in a gray release: "
+                f"revision {stable.id} answers only {old!r}. Keep the alias, or serve the new one as its own "
+                "deployment (another name and listen address)."
+            )
 
     def _refuse_rolled_back(self, new: DeploymentSpec) -> None:
         h = rv.revision_hash(new)

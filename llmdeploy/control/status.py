@@ -70,7 +70,13 @@ async def daemon_status(c: Controller) -> dict[str, Any]:
         "router": snapshot,
         "auto_rollback": None if d is None else {"rollback": d.rollback, "reason": d.reason, **d.numbers()},
         "events": [asdict(e) for e in c.store.events(12)],
+        "last_auto_rollback": _last(c.store, "auto-rollback"),
     }
+
+
+def _last(store: StateStore, kind: str) -> dict[str, Any] | None:
+    found = store.events(1, kind=kind)
+    return asdict(found[0]) if found else None
 
 
 def offline_status(paths: DeploymentPaths) -> dict[str, Any]:
@@ -89,6 +95,7 @@ def offline_status(paths: DeploymentPaths) -> dict[str, Any]:
             "revisions": revision_rows(store, stable, candidate, percent),
             "replicas": [], "router": {}, "auto_rollback": None,
             "events": [asdict(e) for e in store.events(12)],
+            "last_auto_rollback": _last(store, "auto-rollback"),
         }  # fmt: skip
     finally:
         store.close()

@@ -62,6 +62,15 @@ def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> li
     return cmd
 
 
+def unsupported(spec: DeploymentSpec) -> str | None:
+    """What this supervisor cannot run yet; refused before anything starts."""
+    if spec.parallel.backend != "local":
+        return "parallel.backend: ray is not supported by this daemon yet; use backend: local"
+    if spec.parallel.tensor_parallel != 1:
+        return "parallel.tensor_parallel > 1 is not supported by the engine yet; use replicas for more copies"
+    return None
+
+
 def backoff_s(consecutive_crashes: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, consecutive_crashes - 1))
 
@@ -270,9 +279,8 @@ class Supervisor:
 
     def _spawn(self, r: Replica) -> None:
         r.port = free_port()
-        env = {
-            k: v for k, v in os.environ.items() if k not in referenced_env(r.spec)
-        }  # engines need no secrets
+        secrets = set(referenced_env(r.spec))  # engines need none of the keys the router reads
+        env = {k: v for k, v in os.environ.items() if k not in secrets}
         env[OWNER_ENV] = owner_tag(self.paths, r.revision, r.name)
         log_path = self.paths.engine_log(r.revision, r.name)
         with open(log_path, "ab") as out:
@@ -304,7 +312,7 @@ class Supervisor:
     async def _after_exit(self, r: Replica) -> bool:
         """Record the crash, wait the backoff; False when the replica gives up."""
         how = self._exit_description(r)
-        if r.proc is not None and r.proc.poll() is None:  # hung at start: kill it before restarting
+        if r.pid is not None and self._alive(r):  # hung at start: kill it before restarting
             await asyncio.to_thread(terminate, r.pid, 2.0)
         was_ready = r.ready
         r.ready, r.crashes = False, r.crashes + 1

@@ -1,5 +1,5 @@
 """AsyncLLMEngine: the step loop runs on its own thread, off the asyncio event loop; outputs reach each request's
-asyncio.Queue through loop.call_soon_threadsafe (one call per step).
+OutputStream through loop.call_soon_threadsafe (one call per step).
 
 generate() is an async generator: when its consumer stops (aclose, task cancelled, client gone) the request is
 aborted and its blocks freed at once. No request can crash or stall the loop: a failure in one request's
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmdeploy.engine.config import EngineConfig
-from llmdeploy.engine.errors import RequestFailedError
+from llmdeploy.engine.errors import ParamError, RequestFailedError
 from llmdeploy.engine.llm_engine import LLMEngine
 from llmdeploy.engine.loader import LoadedModel
 from llmdeploy.engine.outputs import EngineStats, RequestOutput
@@ -27,6 +27,47 @@ ABORTED = object()  # queue item: the request was aborted from outside its gener
 IDLE_WAIT_S = 0.5
 
 
+class OutputStream:
+    """One request's outputs on the event loop. A consumer that falls behind gets one merged output (deltas
+    joined), never a growing backlog of cumulative copies."""
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.end: object | None = None  # ABORTED or the exception that ends the stream
+        self.ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else merge_outputs(self.pending, out)
+        self.ready.set()
+
+    def close(self, end: object) -> None:
+        self.end = self.end or end
+        self.ready.set()
+
+    async def get(self) -> object:
+        while True:
+            if self.pending is not None:
+                out, self.pending = self.pending, None
+                return out
+            if self.end is not None:
+                return self.end
+            self.ready.clear()
+            await self.ready.wait()
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """`new` (cumulative fields are already complete) with the deltas of `old` put in front of its own."""
+    before = {c.index: c for c in old.outputs}
+    for c in new.outputs:
+        p = before.get(c.index)
+        if p is not None:
+            c.delta_text = p.delta_text + c.delta_text
+            c.delta_token_ids = p.delta_token_ids + c.delta_token_ids
+            if c.delta_logprobs is not None:
+                c.delta_logprobs = (p.delta_logprobs or []) + c.delta_logprobs
+    return new
+
+
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.engine = LLMEngine(config, loaded)
@@ -35,7 +76,7 @@ class AsyncLLMEngine:
         runner = self.engine.runner
         self.dtype, self.device = runner.dtype, runner.device
         self.kernel_backend = runner.model.attention_layers()[0].ops.__name__.rsplit(".", 1)[-1]
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -58,9 +99,9 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        for rid, q in list(self._queues.items()):
+        for rid, stream in list(self._streams.items()):
             self.engine.abort(rid)
-            q.put_nowait(RequestFailedError("the engine shut down"))
+            stream.close(RequestFailedError("the engine shut down"))
 
     # requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -72,18 +113,19 @@ class AsyncLLMEngine:
         if not self.running or self._loop is not asyncio.get_running_loop():
             await self.start()
         rid = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
+        if rid in self._streams:
+            raise ParamError("request_id", f"Request id {rid!r} is already in use.")
+        stream = self._streams[rid] = OutputStream()
         try:
             self.engine.add_request(rid, prompt_token_ids, params)
         except BaseException:
-            self._queues.pop(rid, None)
+            self._streams.pop(rid, None)
             raise
         self._wake.set()
         done = False
         try:
             while True:
-                item = await queue.get()
+                item = await stream.get()
                 if item is ABORTED:
                     done = True
                     return
@@ -95,15 +137,15 @@ class AsyncLLMEngine:
                     done = True
                     return
         finally:
-            self._queues.pop(rid, None)
+            self._streams.pop(rid, None)
             if not done:
                 self.engine.abort(rid)
 
     async def abort(self, request_id: str) -> bool:
         aborted = self.engine.abort(request_id)
-        queue = self._queues.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(ABORTED)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close(ABORTED)
         return aborted
 
     # observability
@@ -139,10 +181,10 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput], failures: list[tuple[str, BaseException]]) -> None:
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
         for rid, exc in failures:
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(exc)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.close(exc)

@@ -34,9 +34,16 @@ class AttentionMetadata:
 class PagedAttention(nn.Module):
     """Stores this step's K/V into the layer's paged cache, then attends over the cache."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch"):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch"
+    ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
         self.ops = get_ops(backend)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -44,7 +51,9 @@ class PagedAttention(nn.Module):
     def set_backend(self, backend: str) -> None:
         self.ops = get_ops(backend)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [N, H, D], k/v: [N, Hkv, D] -> [N, H, D]."""
         ops = self.ops
         ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -53,15 +62,27 @@ class PagedAttention(nn.Module):
         if p:
             parts.append(
                 ops.paged_prefill_attention(
-                    q[:p], self.k_cache, self.v_cache, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                    meta.prefill_block_tables, self.scale, meta.prefill_max_q_len, meta.prefill_max_context_len,
+                    q[:p],
+                    self.k_cache,
+                    self.v_cache,
+                    meta.prefill_cu_seqlens_q,
+                    meta.prefill_context_lens,
+                    meta.prefill_block_tables,
+                    self.scale,
+                    meta.prefill_max_q_len,
+                    meta.prefill_max_context_len,
                 )
             )
         if meta.num_decode_tokens:
             parts.append(
                 ops.paged_attention_decode(
-                    q[p:], self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                    self.scale, meta.decode_max_context_len,
+                    q[p:],
+                    self.k_cache,
+                    self.v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    self.scale,
+                    meta.decode_max_context_len,
                 )
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -64,7 +64,7 @@ class LLM:
             self.engine.add_request(rid, ids, p, check=False)
         done: dict[str, RequestOutput] = {}
         try:
-            while len(done) < len(rids):
+            while len(done) < len(rids) and self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
@@ -74,4 +74,7 @@ class LLM:
             for rid in rids:
                 if rid not in done:
                     self.engine.abort(rid)
+        missing = [r for r in rids if r not in done]
+        if missing:
+            raise RuntimeError(f"the engine stopped without finishing {len(missing)} request(s)")
         return [done[r] for r in rids]

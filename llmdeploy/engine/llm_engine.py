@@ -50,9 +50,8 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.runner = ModelRunner(config, loaded)
-        self.config = replace(
-            config, max_model_len=self.runner.max_model_len
-        )  # capped by the model's positions
+        # max_model_len as capped by the model's positions
+        self.config = replace(config, max_model_len=self.runner.max_model_len)
         self.tokenizer, self.arch = self.runner.loaded.tokenizer, self.runner.arch
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)

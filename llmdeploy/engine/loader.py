@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What "auto" means per device; bench/forward_cpu.py measured the CPU choice (see bench/RESULTS.md).
 AUTO_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
+COMPILE_BY_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,20 @@ def load_model(
         model.load_weights(iter_safetensors(folder))
     model.finish_loading(dev)
     model.eval().requires_grad_(False)
+    if use_compile(dev, backend):
+        model.compile_layers()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     arch = model_arch(config, max_positions, eos_token_ids(folder, config, tokenizer))
     return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source)
+
+
+def use_compile(device: torch.device, backend: str) -> bool:
+    """LLMDEPLOY_COMPILE=1/0 forces torch.compile of the layers on or off; the default is what
+    bench/forward_cpu.py measured best (CPU with the reference ops only: Triton kernels are already fused)."""
+    flag = os.environ.get("LLMDEPLOY_COMPILE", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return COMPILE_BY_DEFAULT and device.type == "cpu" and backend == "torch"
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

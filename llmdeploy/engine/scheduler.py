@@ -125,6 +125,8 @@ class Scheduler:
                 if copy:
                     batch.blocks_to_copy.append(copy)
                 batch.decodes.append(seq)
+                if seq.num_forks:  # a prompt whose last token is its only uncached one
+                    self._fork(seq, batch)
         budget = self.max_num_batched_tokens - len(batch.decodes)
         # then prefill chunks: admitted partial prefills and waiting sequences, by priority
         num_slots = sum(self.slots(s) for s in self.running)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("llmdeploy.router.access")
@@ -33,7 +33,6 @@ class AccessRecord:
     error: str | None = None
     body: Any = None  # only with logging.bodies
     completion: str | None = None  # only with logging.bodies
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _fmt(value: Any) -> str:

@@ -32,6 +32,7 @@ from llmdeploy.router.cloud import CloudClient
 from llmdeploy.router.dispatch import Call, Dispatcher, revision_label
 from llmdeploy.router.metrics import RouterMetrics
 from llmdeploy.router.relay import Exchange
+from llmdeploy.router.status import build_snapshot
 from llmdeploy.router.table import RoutingTable
 from llmdeploy.router.windows import RevisionWindows
 
@@ -54,39 +55,6 @@ class Settings:
     local_wait_s: float
     sticky_header: str
     bodies: bool
-
-
-class RequestIdMiddleware:
-    """Pure ASGI: every response carries x-request-id, x-llmdeploy-backend and x-llmdeploy-revision."""
-
-    def __init__(self, app, on_first_request=None) -> None:
-        self.app = app
-        self.on_first_request = on_first_request
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.on_first_request is not None:
-            # embedders may run the app with lifespan off: start the load poller on first use then
-            await self.on_first_request()
-        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
-        rid = rq.request_id(incoming)
-        scope.setdefault("state", {})["rid"] = rid
-        defaults = (
-            (b"x-request-id", rid.encode()),
-            (b"x-llmdeploy-backend", b"none"),
-            (b"x-llmdeploy-revision", b"none"),
-        )
-
-        async def send_with_ids(message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", ()))
-                present = {k.lower() for k, _ in headers}
-                headers += [(k, v) for k, v in defaults if k not in present]
-                message["headers"] = headers
-            await send(message)
-
-        await self.app(scope, receive, send_with_ids)
 
 
 class Router:
@@ -120,6 +88,10 @@ class Router:
         self._closed = False
         self._lifespans = 0
         self.app = self._build_app()
+        # created inside a running loop (the daemon embeds it): poll from now on, without waiting for traffic
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop()
+            self._start_task = asyncio.ensure_future(self.pool.start())
 
     def _settings(self, spec, reuse_cloud: CloudClient | None = None) -> Settings:
         cloud = reuse_cloud or CloudClient(
@@ -184,75 +156,8 @@ class Router:
         return self.windows.stats(revision, time.monotonic())
 
     def snapshot(self) -> dict:
-        now = time.monotonic()
-        s = self.settings
-        revisions = []
-        for rev in self.pool.revision_states(now):
-            w = self.windows.stats(rev.revision, now)
-            revisions.append(
-                {
-                    "revision": rev.revision,
-                    "role": rev.role,
-                    "percent": rev.percent,
-                    "ready": rev.ready,
-                    "window": {
-                        "requests": w.requests,
-                        "errors": w.errors,
-                        "error_rate": w.error_rate,
-                        "ttft_p99_ms": w.ttft_p99_ms,
-                        "window_s": w.window_s,
-                    },
-                    "replicas": [
-                        {
-                            "replica": r.replica,
-                            "url": r.url,
-                            "usable": r.usable,
-                            "inflight": r.inflight,
-                            "breaker": self.pool.breaker(r.url).state,
-                            "load": None
-                            if r.load is None
-                            else {
-                                k: getattr(r.load, k)
-                                for k in (
-                                    "waiting",
-                                    "running",
-                                    "free_blocks",
-                                    "total_blocks",
-                                    "predicted_queue_wait_ms",
-                                    "kv_usage",
-                                )
-                            },
-                        }
-                        for r in rev.replicas
-                    ],
-                }
-            )
-        served = {b: self._count("requests", backend=b) for b in (LOCAL, CLOUD)}
-        total = sum(served.values())
-        return {
-            "alias": s.alias,
-            "revisions": revisions,
-            "cloud": {
-                "enabled": s.cloud.enabled,
-                "provider": s.spec.cloud.provider,
-                "model": s.cloud.model,
-                "breaker": self.cloud_breaker.state,
-                "share": served[CLOUD] / total if total else 0.0,
-            },
-            "requests": {"local": served[LOCAL], "cloud": served[CLOUD]},
-            "overflow": {lbl["reason"]: v for lbl, v in self._samples("overflow")},
-        }
-
-    def _samples(self, metric: str):
-        for m in getattr(self.metrics, metric).collect():
-            for smp in m.samples:
-                if smp.name.endswith("_total"):
-                    yield smp.labels, smp.value
-
-    def _count(self, metric: str, **match) -> int:
-        return int(
-            sum(v for lbl, v in self._samples(metric) if all(lbl.get(k) == x for k, x in match.items()))
-        )
+        """For `llmdeploy status`: revisions, replicas, windows, cloud share, breakers, overflow counts."""
+        return build_snapshot(self, time.monotonic())
 
     # ---- HTTP --------------------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -272,7 +177,7 @@ class Router:
             title="llmdeploy router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
         )
         install_error_handlers(app)
-        app.add_middleware(RequestIdMiddleware, on_first_request=self.start)
+        app.add_middleware(rq.RequestIdMiddleware, on_first_request=self.start)
         app.router.add_route("/health", self.health, methods=["GET"])
         app.router.add_route("/ready", self.ready, methods=["GET"])
         app.router.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
@@ -324,6 +229,7 @@ class Router:
     async def _serve(self, request: Request, endpoint: str) -> Response:
         s = self.settings
         rid = request.scope["state"]["rid"]
+        self.metrics.inflight.inc()
         call = Call(
             rid,
             endpoint,
@@ -360,7 +266,11 @@ class Router:
             call.rec.error = err.code
             self.finish(call, err.status, "none", decision.revision)
             return err.response()
-        return await self.dispatcher.execute(s, call, decision)
+        try:
+            return await self.dispatcher.execute(s, call, decision)
+        except BaseException:
+            self.finish(call, 499, "none", decision.revision)  # cancelled (shutdown) or a bug: still booked
+            raise
 
     def _facts(self, request: Request, req, key: KeyInfo) -> RequestFacts:
         try:
@@ -409,7 +319,11 @@ class Router:
         return overloaded(message, retry)
 
     def finish(self, call: Call, status: int, backend: str, revision: int | None) -> None:
-        """Book one answered request: metrics, the revision window (local answers), the access log."""
+        """Book one answered request, once: metrics, the revision window (local answers), the access log."""
+        if call.finished:
+            return
+        call.finished = True
+        self.metrics.inflight.dec()
         now = time.monotonic()
         ex, rec = call.ex, call.rec
         rev = revision_label(backend, revision) if backend != "none" else "none"

@@ -15,6 +15,7 @@ import httpx
 
 from llmdeploy.policies.breaker import BreakerConfig, CircuitBreaker
 from llmdeploy.policies.snapshot import EngineLoad, ReplicaState, RevisionState
+from llmdeploy.router.localhttp import LocalHTTP
 from llmdeploy.router.table import EngineEndpoint, RoutingTable
 
 log = logging.getLogger("llmdeploy.router.backends")
@@ -41,10 +42,7 @@ class EnginePool:
         self.loads: dict[str, tuple[EngineLoad | None, float]] = {}
         self.inflight: dict[str, int] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(LOCAL_READ_TIMEOUT_S, connect=LOCAL_CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        self.client = LocalHTTP(LOCAL_CONNECT_TIMEOUT_S, LOCAL_READ_TIMEOUT_S)
         self._poll_client = httpx.AsyncClient(timeout=POLL_TIMEOUT_S)
         self._task: asyncio.Task | None = None
 

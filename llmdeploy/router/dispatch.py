@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from llmdeploy.openai_api.errors import OpenAIError, overloaded
 from llmdeploy.policies.route import CLOUD, LOCAL, Decision, Target
 from llmdeploy.router.access_log import AccessRecord
 from llmdeploy.router.normalize import UpstreamFailure
-from llmdeploy.router.relay import Attempt, Exchange, fetch_json, open_stream, relay
+from llmdeploy.router.relay import Attempt, Exchange, RelayEnd, RelayResponse, fetch_json, open_stream
 
 log = logging.getLogger("llmdeploy.router")
 CONFIG_KINDS = frozenset({"upstream_auth", "upstream_config"})
@@ -29,6 +29,7 @@ class Call:
     stream: bool
     ex: Exchange
     rec: AccessRecord
+    finished: bool = False
 
 
 def upstream_payload(call: Call, cloud_model: str | None) -> bytes:
@@ -171,12 +172,10 @@ class Dispatcher:
             if call.ex.failed_after_commit:
                 self.r.metrics.upstream_errors.labels(backend, call.ex.failed_after_commit).inc()
                 call.rec.error = call.ex.failed_after_commit
-            self.r.finish(call, 499 if call.ex.client_gone else 200, backend, decision.revision)
+            self.r.finish(call, 200 if call.ex.stream_complete else 499, backend, decision.revision)
 
-        return StreamingResponse(
-            relay(result, call.ex, on_end),
-            media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache"},
+        return RelayResponse(
+            result, call.ex, RelayEnd(result, on_end), {**headers, "cache-control": "no-cache"}
         )
 
     def _final_error(self, last: UpstreamFailure | None) -> OpenAIError:

@@ -48,7 +48,9 @@ class RouterMetrics:
         self.cloud_tokens = Counter(
             f"{p}cloud_tokens", "Tokens sent to / received from the cloud (cost)", ["direction"], registry=r
         )
-        self.inflight = Gauge(f"{p}inflight_requests", "Requests in flight", ["backend"], registry=r)
+        self.inflight = Gauge(
+            f"{p}inflight_requests", "Requests in flight (arrived, not yet answered)", registry=r
+        )
         self.breaker_open = Gauge(
             f"{p}breaker_open", "1 while a backend's circuit breaker is not closed", ["backend"], registry=r
         )

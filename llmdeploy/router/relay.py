@@ -17,8 +17,10 @@ from typing import Any
 
 import anyio
 import httpx
+from starlette.responses import StreamingResponse
 
 from llmdeploy.openai_api.errors import OpenAIError
+from llmdeploy.router.localhttp import LocalHTTP
 from llmdeploy.router.normalize import (
     UpstreamFailure,
     body_error,
@@ -44,7 +46,7 @@ class Exchange:
     content_events: int = 0
     text: list[str] = field(default_factory=list)
     failed_after_commit: str | None = None  # error kind
-    client_gone: bool = False
+    stream_complete: bool = False  # the client got the stream's end ([DONE])
 
     @property
     def ttft_s(self) -> float | None:
@@ -54,7 +56,7 @@ class Exchange:
 @dataclass
 class Attempt:
     backend: str  # "local" | "cloud"
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient | LocalHTTP
     url: str
     headers: dict[str, str]
     payload: bytes
@@ -69,12 +71,16 @@ def upstream_failure(exc: Exception, backend: str) -> UpstreamFailure:
     return connect_failure(backend, exc)
 
 
-async def _open(a: Attempt) -> httpx.Response:
-    req = a.client.build_request(
-        "POST", a.url, content=a.payload, headers={"content-type": "application/json", **a.headers}
-    )
+async def _open(a: Attempt):
+    """POST and wait for the status line: an httpx.Response (cloud) or a LocalResponse (engines)."""
     try:
-        resp = await a.client.send(req, stream=True)
+        if isinstance(a.client, LocalHTTP):
+            resp = await a.client.post(a.url, a.payload, a.headers)
+        else:
+            headers = {"content-type": "application/json", **a.headers}
+            resp = await a.client.send(
+                a.client.build_request("POST", a.url, content=a.payload, headers=headers), stream=True
+            )
     except httpx.HTTPError as exc:
         raise upstream_failure(exc, a.backend) from None
     if resp.status_code != 200:
@@ -88,7 +94,7 @@ async def _open(a: Attempt) -> httpx.Response:
     return resp
 
 
-async def close_quietly(resp: httpx.Response) -> None:
+async def close_quietly(resp) -> None:
     # shielded: runs while the request is being cancelled (client disconnect), and must still reach the engine
     with anyio.CancelScope(shield=True):
         with contextlib.suppress(Exception):  # closing a broken connection may raise; nothing to do about it
@@ -131,7 +137,7 @@ async def fetch_json(a: Attempt, ex: Exchange) -> dict[str, Any]:
 
 
 # ---- stream -----------------------------------------------------------------------------------------------
-async def sse_data(resp: httpx.Response) -> AsyncIterator[str]:
+async def sse_data(resp) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent-event stream (comments and other fields ignored)."""
     lines: list[str] = []
     async for line in resp.aiter_lines():
@@ -162,7 +168,7 @@ def has_token(obj: dict[str, Any]) -> bool:
 class OpenStream:
     """A committed stream: the held-back events, and the rest still to read from `events`."""
 
-    resp: httpx.Response
+    resp: Any  # httpx.Response | LocalResponse
     events: AsyncIterator[str]
     held: list[bytes]
     done: bool
@@ -240,28 +246,58 @@ async def open_stream(a: Attempt, ex: Exchange) -> OpenStream:
         raise
 
 
-async def relay(s: OpenStream, ex: Exchange, on_end: Callable[[], None]) -> AsyncIterator[bytes]:
-    """Everything after the commit point. `on_end` runs exactly once, however the stream ends."""
+class RelayEnd:
+    """The end of a committed stream, run exactly once: close the upstream, then book the request. Both the
+    relay's own `finally` and RelayResponse call it, so a stream the server never started to send (the client
+    left at once) is cleaned up too."""
+
+    def __init__(self, stream: OpenStream, on_end: Callable[[], None]) -> None:
+        self.stream, self.on_end, self.done = stream, on_end, False
+
+    async def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        await close_quietly(self.stream.resp)
+        self.on_end()
+
+
+class RelayResponse(StreamingResponse):
+    def __init__(self, stream: OpenStream, ex: Exchange, end: RelayEnd, headers: dict[str, str]) -> None:
+        super().__init__(relay(stream, ex, end), media_type="text/event-stream", headers=headers)
+        self.end = end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.end()
+
+
+async def relay(s: OpenStream, ex: Exchange, end: RelayEnd) -> AsyncIterator[bytes]:
+    """Everything after the commit point. `ex.stream_complete` is set once the client has been sent the end
+    of the stream (`[DONE]`, possibly after an error event); a stream closed before is a client disconnect."""
     try:
         for b in s.held:
             yield b
         if s.done:
+            ex.stream_complete = True
             yield DONE
             return
         try:
             async for data in s.events:
                 if data.strip() == "[DONE]":
+                    ex.stream_complete = True
                     yield DONE
                     return
                 try:
                     obj = _event_json(data, s.backend)
+                    if body_error(obj) is not None:
+                        raise normalize(200, obj, s.resp.headers, backend=s.backend, secrets=s.secrets)
                 except UpstreamFailure as f:
-                    ex.failed_after_commit = f.kind
-                    yield f.error.sse_event() + DONE
-                    return
-                if body_error(obj) is not None:
-                    f = normalize(200, obj, s.resp.headers, backend=s.backend, secrets=s.secrets)
-                    ex.failed_after_commit = f.kind
+                    ex.failed_after_commit = ex.failed_after_commit or f.kind
+                    ex.stream_complete = True
                     yield f.error.sse_event() + DONE
                     return
                 out = rewrite_event(obj, data, ex)
@@ -269,17 +305,14 @@ async def relay(s: OpenStream, ex: Exchange, on_end: Callable[[], None]) -> Asyn
                     yield out
         except httpx.HTTPError as exc:
             f = upstream_failure(exc, s.backend)
-            ex.failed_after_commit = f.kind
+            ex.failed_after_commit, ex.stream_complete = f.kind, True
             yield f.error.sse_event() + DONE
             return
-        ex.failed_after_commit = "stream_cut"
+        ex.failed_after_commit, ex.stream_complete = "stream_cut", True
         err = OpenAIError(
             502, "The upstream stream ended before it was complete.", code="upstream_stream_cut"
         )
         yield err.sse_event() + DONE
-    except (GeneratorExit, anyio.get_cancelled_exc_class()):
-        ex.client_gone = True
-        raise
     finally:
-        await close_quietly(s.resp)
-        on_end()
+        with anyio.CancelScope(shield=True):
+            await end()

@@ -102,3 +102,36 @@ def planned_output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int
 
 def rejected(status: int, code: str, message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(status, message, param=param, code=code)
+
+
+class RequestIdMiddleware:
+    """Pure ASGI: every response carries x-request-id, x-llmdeploy-backend and x-llmdeploy-revision."""
+
+    def __init__(self, app, on_first_request=None) -> None:
+        self.app = app
+        self.on_first_request = on_first_request
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.on_first_request is not None:
+            # embedders may run the app with lifespan off: start the load poller on first use then
+            await self.on_first_request()
+        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
+        rid = request_id(incoming)
+        scope.setdefault("state", {})["rid"] = rid
+        defaults = (
+            (b"x-request-id", rid.encode()),
+            (b"x-llmdeploy-backend", b"none"),
+            (b"x-llmdeploy-revision", b"none"),
+        )
+
+        async def send_with_ids(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                present = {k.lower() for k, _ in headers}
+                headers += [(k, v) for k, v in defaults if k not in present]
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_ids)

@@ -149,6 +149,14 @@ def test_dry_run_shows_the_diff_and_changes_nothing(rig):
     assert [x["id"] for x in rig["cli"].status(NAME)["revisions"]] == [1]
 
 
+def test_an_alias_change_is_refused_while_a_revision_serves(rig, tmp_path):
+    spec = yaml.safe_load(rig["files"]["v1b"].read_text())
+    spec["model"]["served_alias"] = "renamed"
+    r = rig["cli"].run("apply", str(write_spec(tmp_path / "renamed.yaml", spec)))
+    assert r.returncode == 1 and "model.served_alias cannot change from 'tiny' to 'renamed'" in r.stderr
+    assert [x["id"] for x in rig["cli"].status(NAME)["revisions"]] == [1]
+
+
 def test_engine_change_starts_revision_2_at_zero_percent(rig):
     r = rig["cli"].ok("apply", str(rig["files"]["v2"]))
     assert "new revision" in r.stdout and "revision 2 r1: ready" in r.stdout
@@ -180,6 +188,7 @@ def test_canary_10_percent_is_sticky_per_session(rig):
     responses = send_many(rig["url"], sessions, headers(rig))
     assert all(x.status_code == 200 for x in responses)
     chosen = {s: x.headers["x-llmdeploy-revision"] for s, x in zip(sessions, responses, strict=True)}
+    rig["chosen"] = chosen
     share = sum(v == "2" for v in chosen.values()) / len(chosen)
     assert 0.075 <= share <= 0.125, share
     again = sessions[::10]  # the same sessions later land where they landed before
@@ -200,9 +209,38 @@ def test_pin_header_picks_a_revision(rig):
     assert 400 <= unknown.status_code < 500 and "error" in unknown.json()
 
 
+def test_kill_9_of_the_daemon_mid_canary_then_apply_recovers_the_same_state(rig):
+    before = rig["cli"].status(NAME)
+    os.kill(before["daemon"]["pid"], signal.SIGKILL)
+    wait_for(lambda: not port_open(rig["port"]), 10, what="router port to close")
+    offline = rig["cli"].status(NAME)
+    assert not offline["daemon"]["running"] and split_of(offline) == {1: 90.0, 2: 10.0}
+    r = rig["cli"].ok("apply", str(rig["files"]["v2"]))
+    assert "resumed from state.db" in r.stdout
+    after = rig["cli"].status(NAME)
+    assert split_of(after) == split_of(before) == {1: 90.0, 2: 10.0}
+    assert [(x["id"], x["state"]) for x in after["revisions"]] == [
+        (x["id"], x["state"]) for x in before["revisions"]
+    ]
+    for rev in (1, 2):  # re-adopted, not restarted
+        assert pids_of(after, rev) == pids_of(before, rev)
+    assert sum(e["kind"] == "engine-adopted" for e in after["events"]) == 2
+    sessions = list(rig["chosen"])[:300]  # the split is the same one: sessions stay where they were
+    again = send_many(rig["url"], sessions, headers(rig))
+    assert [x.headers["x-llmdeploy-revision"] for x in again] == [rig["chosen"][s] for s in sessions]
+
+
 def test_rollback_during_canary_returns_all_traffic_and_stops_the_candidate(rig):
     candidate_pids = pids_of(rig["cli"].status(NAME), 2)
+    follower = subprocess.Popen(
+        [LLMDEPLOY, "logs", "--follow"], env=rig["cli"].env, text=True, stdout=subprocess.PIPE
+    )
+    time.sleep(1.0)
     r = rig["cli"].ok("rollback")
+    time.sleep(1.0)
+    follower.send_signal(signal.SIGINT)
+    followed, _ = follower.communicate(timeout=10)
+    assert follower.returncode == 0 and "[rollback] rev 2 candidate 2 rolled back" in followed
     assert "candidate revision 2 stopped" in r.stdout
     st = rig["cli"].status(NAME)
     assert split_of(st) == {1: 100.0}
@@ -265,25 +303,6 @@ def test_rollback_to_a_revision_that_never_served_is_refused(rig):
     assert r.returncode == 2 and "there is no revision 99" in r.stderr
     r = rig["cli"].run("rollback", "--to-revision", "4")
     assert r.returncode == 1 and "already the stable revision" in r.stderr
-
-
-def test_kill_9_of_the_daemon_then_apply_recovers_the_same_state(rig):
-    before = rig["cli"].status(NAME)
-    engine_pids = pids_of(before, 4)
-    os.kill(before["daemon"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not port_open(rig["port"]), 10, what="router port to close")
-    offline = rig["cli"].status(NAME)
-    assert not offline["daemon"]["running"] and split_of(offline) == {4: 100.0}
-    r = rig["cli"].ok("apply", str(rig["files"]["v1b"]))
-    assert "resumed from state.db" in r.stdout
-    after = rig["cli"].status(NAME)
-    assert split_of(after) == split_of(before)
-    assert [(x["id"], x["state"]) for x in after["revisions"]] == [
-        (x["id"], x["state"]) for x in before["revisions"]
-    ]
-    assert pids_of(after, 4) == engine_pids  # re-adopted, not restarted
-    assert any(e["kind"] == "engine-adopted" for e in after["events"])
-    assert send_many(rig["url"], ["a", "b"], headers(rig))[0].headers["x-llmdeploy-revision"] == "4"
 
 
 def test_listen_change_moves_the_router_and_keeps_the_engines(rig, tmp_path):

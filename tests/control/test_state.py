@@ -153,3 +153,18 @@ def test_undo_goes_to_the_latest_earlier_revision_that_served_other_settings():
         assert e.value.bad_input is bad_input
     with pytest.raises(rv.NoRollbackTarget, match="nothing to roll back to"):
         rv.undo_target([_rev(1, True, "a", "serving")], stable=1)
+
+
+def test_restart_backoff_doubles_up_to_a_cap():
+    from llmdeploy.control.supervisor import BACKOFF_MAX_S, backoff_s
+
+    assert [backoff_s(n) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 4.0]
+    assert backoff_s(50) == BACKOFF_MAX_S
+
+
+def test_what_the_supervisor_cannot_run_is_refused_up_front():
+    from llmdeploy.control.supervisor import unsupported
+
+    assert unsupported(DeploymentSpec()) is None
+    assert "ray" in unsupported(DeploymentSpec(parallel={"backend": "ray", "ray_address": "ray://h:1"}))
+    assert "tensor_parallel" in unsupported(DeploymentSpec(parallel={"tensor_parallel": 2}))

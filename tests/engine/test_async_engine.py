@@ -65,6 +65,27 @@ def test_concurrent_generate_matches_transformers(engine, tiny_llama):
     assert all_free(engine)
 
 
+def test_a_slow_consumer_gets_merged_outputs(engine, tiny_llama):
+    p = prompts(1, seed=26)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+
+    async def main():
+        await engine.start()
+        agen = engine.generate(p, params, "slow")
+        outs = [await agen.__anext__()]
+        while engine.engine.requests.get("slow") is not None:  # let the engine run ahead of us
+            await asyncio.sleep(0.01)
+        outs += [o async for o in agen]
+        return outs
+
+    outs = run(main())
+    final = outs[-1].outputs[0]
+    assert len(outs) < 30 and final.token_ids == hf_greedy(tiny_llama, p, 30)
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
+    assert [lp for o in outs for lp in o.outputs[0].delta_logprobs] == final.logprobs
+    assert "".join(o.outputs[0].delta_text for o in outs) == final.text
+
+
 def test_closing_the_stream_aborts_and_frees_blocks_at_once(engine):
     async def main():
         await engine.start()

@@ -44,6 +44,7 @@ def hf_greedy(path, prompt: list[int], max_new: int = MAX_NEW) -> list[int]:
 
 
 _hf_models: dict = {}
+BATCH = prompts(16, seed=2, lo=1, hi=90)  # shared by several tests: transformers' answers are computed once
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -66,7 +67,7 @@ def test_single_requests(tiny_model, arch):
 def test_sixteen_requests_of_different_lengths_batched(tiny_model, arch):
     path = tiny_model(arch)
     llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01)
-    assert_parity(llm, path, prompts(16, seed=2, lo=1, hi=90))
+    assert_parity(llm, path, BATCH)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -88,7 +89,7 @@ def test_prefix_caching_shared_system_prompt(tiny_model, arch):
 def test_chunked_prefill_forced_small(tiny_model, arch):
     path = tiny_model(arch)
     llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01, max_num_batched_tokens=16, block_size=16)
-    assert_parity(llm, path, prompts(6, seed=5, lo=20, hi=70))
+    assert_parity(llm, path, BATCH[::3])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -97,15 +98,15 @@ def test_under_preemption(tiny_model, arch):
     # a tiny cache: 16 requests cannot all hold their blocks at once
     llm = LLM(model=str(path), max_model_len=128, kv_cache_gb=0.00024, prefix_caching=False)
     assert llm.engine.block_manager.num_blocks < 40
-    assert_parity(llm, path, prompts(16, seed=6, lo=20, hi=60))
+    assert_parity(llm, path, BATCH)
     assert llm.engine.stats().num_preemptions > 0
 
 
 def test_prefix_caching_with_preemption_and_small_chunks(tiny_model):
     path = tiny_model("llama")
-    llm = LLM(model=str(path), max_model_len=128, kv_cache_gb=0.00024, max_num_batched_tokens=16)
+    llm = LLM(model=str(path), max_model_len=128, kv_cache_gb=0.00012, max_num_batched_tokens=16)
     system = prompts(1, seed=7, lo=33, hi=33)[0]
-    assert_parity(llm, path, prompts(12, seed=8, lo=5, hi=30, prefix=system))
+    assert_parity(llm, path, prompts(16, seed=8, lo=5, hi=30, prefix=system))
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 

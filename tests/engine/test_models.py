@@ -97,6 +97,14 @@ def hf_model(folder: Path):
     return model
 
 
+def hf_greedy(hf, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation. The explicit mask matters: without it generate masks every prompt
+    token equal to pad_token_id once eos_token_id is unset (SmolLM2's pad is <|im_end|>)."""
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    out = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
@@ -140,8 +148,7 @@ def test_batched_greedy_matches_generate(model_dir, case):
     with torch.inference_mode():
         ours = driver_for(lm).generate_greedy(prompts, new)
         for ids, got in zip(prompts, ours, strict=True):
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
-            assert got == ref[0, len(ids) :].tolist()
+            assert got == hf_greedy(hf, ids, new)
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3"])
@@ -386,16 +393,16 @@ def test_builtin_smollm2_gguf_cache_and_greedy_parity(tmp_path, monkeypatch):
         assert torch.equal(a, b), name
     lm = second
     assert lm.arch.eos_token_ids == [2] and lm.model.tie_word_embeddings
-    ids = lm.tokenizer.apply_chat_template(
+    chat = lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
-        tokenize=True,
+        tokenize=False,
     )
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    ids = lm.tokenizer(chat, add_special_tokens=False)["input_ids"]
     path = second.source.path
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+        ref = hf_greedy(hf, ids, 12)
         ours = driver_for(lm, max_seqs=1, max_len=len(ids) + 16).generate_greedy([ids], len(ref))[0]
     assert ours == ref
     assert "Paris" in lm.tokenizer.decode(ours)

@@ -165,6 +165,15 @@ def test_n_streams_are_distinct_and_reproducible_with_a_seed(llm):
     assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
 
 
+def test_n_with_a_prompt_cached_up_to_its_last_token(llm):
+    p = prompts(1, seed=25, lo=33, hi=33)[0]  # two full blocks cached, one token left to compute
+    llm.generate([p], SamplingParams(temperature=0, max_tokens=2))
+    hits = llm.engine.block_manager.num_hits
+    out = llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True))[0]
+    assert llm.engine.block_manager.num_hits - hits == 32
+    assert [len(c.token_ids) for c in out.outputs] == [5, 5, 5]
+
+
 def test_min_tokens_and_stop_token_ids_in_the_engine(llm):
     p = prompts(1, seed=17)[0]
     first = (

@@ -61,9 +61,7 @@ def test_shortest_remaining_prefill_goes_first():
 
 def test_aging_bounds_how_long_a_long_prompt_waits():
     aging = 6
-    sched = make_scheduler(
-        max_num_batched_tokens=8, num_blocks=512, max_num_seqs=64, aging_steps=aging
-    )
+    sched = make_scheduler(max_num_batched_tokens=8, num_blocks=512, max_num_seqs=64, aging_steps=aging)
     long = seq(40, max_tokens=1, start=5000)
     sched.add(long)
     got = []

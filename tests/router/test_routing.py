@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import time
 
 from tests.router.conftest import (
+    CLIENT_KEY,
     LOCAL_ONLY_KEY,
     chat_body,
     client,
@@ -184,3 +185,31 @@ def test_ready_reflects_backends(fakes, start_router):
         assert c.get("/ready").status_code == 200
         set_load(rs, engine, ready=False)
         assert c.get("/ready").status_code == 503
+
+
+def test_qianfan_preset_v2_paths_bearer_key_and_no_client_secrets_upstream(fakes, start_router):
+    cloud, engine = fakes
+    spec = make_spec(cloud_url(cloud), cloud={"provider": "qianfan", "base_url": f"{cloud.base}/v2"})
+    rs = start_router(spec, [engine.base])
+    set_load(rs, engine, ready=False)
+    with client(rs) as c:
+        r = c.post(
+            "/v1/chat/completions", json=chat_body(), headers={"x-session-id": "s1", "cookie": "session=abc"}
+        )
+        s = c.post("/v1/completions", json={"model": "chat-model-v1", "prompt": "hi", "stream": True})
+    assert r.status_code == 200 and s.status_code == 200
+    sent = cloud.requests()
+    assert [q["path"] for q in sent] == ["/v2/chat/completions", "/v2/completions"]
+    assert all(q["auth_ok"] for q in sent)  # Bearer <cloud key>
+    for q in sent:  # nothing of the client's own request headers travels to the cloud
+        assert (
+            CLIENT_KEY not in str(q) and "cookie" not in q["headers"] and "x-session-id" not in q["headers"]
+        )
+    snap = rs.router.snapshot()
+    assert (
+        snap["cloud"]["provider"] == "qianfan"
+        and snap["requests"]["cloud"] == 2
+        and snap["cloud"]["share"] == 1.0
+    )
+    metrics = rs.router.metrics.render().decode()
+    assert 'llmdeploy_router_cloud_tokens_total{direction="out"}' in metrics and CLIENT_KEY not in metrics

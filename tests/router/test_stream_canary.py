@@ -62,7 +62,8 @@ def test_client_disconnect_cancels_the_upstream_stream(fakes, start_router):
         assert engine.stats()["active"] == 1
     assert wait_until(lambda: engine.stats()["cancelled"] == 1 and engine.stats()["active"] == 0)
     assert wait_until(lambda: rs.router.pool.inflight.get(engine.base) == 0)
-    assert 'status="499"' in rs.router.metrics.render().decode()
+    metrics = rs.router.metrics.render().decode()
+    assert 'status="499"' in metrics and "llmdeploy_router_inflight_requests 0.0" in metrics
 
 
 def test_nothing_reaches_the_client_before_the_first_token(fakes, start_router):

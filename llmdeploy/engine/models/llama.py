@@ -30,6 +30,12 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+@torch.compiler.disable
+def paged_attention(attn: PagedAttention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    """Opaque to torch.compile: the metadata carries per-step ints and lists that would force recompiles."""
+    return attn(q, k, v, meta)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
@@ -57,7 +63,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
-        o = self.attn(q, k, v, meta)
+        o = paged_attention(self.attn, q, k, v, meta)
         return self.o_proj(o.view(-1, self.q_size))
 
 
@@ -85,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +114,8 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
+        residual = torch.zeros_like(hidden)  # x + 0 == x: every layer then has the same (compilable) form
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, cos_sin, meta)
         return self.norm(hidden, residual)[0]
@@ -139,6 +146,12 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(
             self.config, head_dim_of(self.config), self.max_positions, device
         )
+
+    def compile_layers(self) -> None:
+        """Regional torch.compile: the decoder layers share one compiled graph (parameters are graph inputs), so
+        the compile cost is that of one layer; attention stays eager (see paged_attention)."""
+        for layer in self.model.layers:
+            layer.compile(dynamic=True)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
