@@ -1,10 +1,11 @@
 """Forward-pass speed and parity of the engine's model code on CPU, SmolLM2-135M shapes (builtin model).
 
-    python bench/forward_cpu.py [--dtypes float32,bfloat16] [--reps 20] [--parity] [--json out.json]
+    python bench/forward_cpu.py [--dtypes float32,bfloat16] [--reps 20] [--workload] [--parity] [--json out.json]
 
-Speed: decode batch 1 and batch 32 at context ~200, prefill of 128 and 512 tokens (forward + last-row logits),
-median of --reps. Parity (--parity): greedy tokens against transformers float32 on the same weights, and the
-max-abs logit difference over the prompt positions. LLMDEPLOY_COMPILE=0/1 selects torch.compile.
+Speed: decode batch 1 and batch 32 at context ~200, prefill of 128 and 512 tokens (forward + last-row logits);
+min and median of --reps. --workload: the forwards of issue 3's W alone. --parity: greedy tokens and logits
+against transformers float32 on the same weights. LLMDEPLOY_COMPILE=0/1 selects torch.compile; on a shared
+machine --quiet-load waits for a low load average first.
 """
 
 from __future__ import annotations
@@ -97,6 +98,31 @@ def speed(dtype: str, reps: int) -> dict:
             out[f"prefill_{n}_ms"] = summary(timed(prefill, max(3, reps // 4)))
     out["decode_b32_tok_per_s"] = {k: round(32e3 / v, 1) for k, v in out["decode_b32_ctx200_ms"].items()}
     return out
+
+
+def workload_w(dtype: str) -> dict:
+    """The forward passes of issue 3's W alone (no scheduler, sampler or detokenizer): 32 salad prompts of 128
+    tokens prefilled 16 at a time (2048 tokens per step), then 127 greedy decode steps of the 32 sequences."""
+    lm = load_model(MODEL, dtype=dtype)
+    prompts = [salad_ids(lm.tokenizer, i) for i in range(32)]
+    driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=32, max_len=257)
+    seqs = [driver.new_seq(p) for p in prompts]
+    with torch.inference_mode():
+        driver.step([(seqs[0], 16)], [])  # warm-up, then start over
+        seqs[0].num_cached = 0
+        t0 = time.perf_counter()
+        last = torch.cat([driver.step([(s, 128) for s in seqs[i : i + 16]], []) for i in (0, 16)])
+        t1 = time.perf_counter()
+        for _ in range(127):
+            for s, token in zip(seqs, last.argmax(-1).tolist(), strict=True):
+                s.tokens.append(token)
+            last = driver.step([], seqs)
+        t2 = time.perf_counter()
+    return {
+        "prefill_s": round(t1 - t0, 2),
+        "decode_s": round(t2 - t1, 2),
+        "output_tok_per_s": round(32 * 128 / (t2 - t0), 1),
+    }
 
 
 def parity(dtype: str, new_tokens: int = 32) -> dict:
@@ -193,6 +219,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--workload", action="store_true", help="also time the forwards of W (32 x 128 + 128)")
     ap.add_argument("--json")
     ap.add_argument("--quiet-load", type=float, default=0.0, help="wait for a 1-min load average below this")
     args = ap.parse_args()
@@ -206,6 +233,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         wait_until_quiet(args.quiet_load)
         results[dtype] = speed(dtype, args.reps)
+        if args.workload:
+            results[dtype]["workload_w"] = workload_w(dtype)
         results[dtype]["load_avg_after"] = os.getloadavg()
         if args.parity:
             results[dtype]["parity"] = parity(dtype)

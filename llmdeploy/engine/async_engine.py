@@ -75,7 +75,7 @@ class AsyncLLMEngine:
         self.capacity = self.engine.capacity
         runner = self.engine.runner
         self.dtype, self.device = runner.dtype, runner.device
-        self.kernel_backend = runner.model.attention_layers()[0].ops.__name__.rsplit(".", 1)[-1]
+        self.kernel_backend = runner.kernel_backend
         self._streams: dict[str, OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -131,6 +131,17 @@ class BlockManager:
                 self.hash_to_block[hashes[i]] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (benchmarks, weight reloads); only while no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+        self.hash_to_block.clear()
+        self.free_plain = dict.fromkeys(range(self.num_blocks))
+        self.free_cached = {}
+        return True
+
     # decode growth
     def _needs_block(self, seq: Sequence) -> bool:
         """The next token's K/V lands in a new block, or in a partial block shared after a fork (copy on write)."""

@@ -56,7 +56,11 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.runner.max_model_len,
+            attn_cost_context=self.runner.attn_cost_context,
         )
         self.sampler = Sampler(config.seed, self.runner.device)
         self.rates = RateMeter(self.runner.rates.prefill_s_per_token, self.runner.rates.decode_step_s)

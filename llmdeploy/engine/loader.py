@@ -16,7 +16,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.models import model_class
+from llmdeploy.engine.models.layers import onednn_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
+from llmdeploy.engine.rope import rope_inv_freq
 from llmdeploy.engine.weights_cache import ensure_converted
 from llmdeploy.kernels import resolve_backend
 from llmdeploy.spec.sources import ModelSource, resolve_model_source
@@ -78,31 +80,53 @@ def load_model(
 ) -> LoadedModel:
     source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
     folder = source.path if source.kind == "hf" else ensure_converted(source.path)
+    raw = json.loads((folder / "config.json").read_text())
+    cls = model_class(raw.get("architectures"), raw.get("model_type"))  # before transformers parses it
     config = AutoConfig.from_pretrained(folder)
-    cls = model_class(config)
+    rope_inv_freq(config, head_dim_of(config))  # an unsupported rope type fails before the weights load
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     backend = resolve_backend(kernel_backend, dev.type)
     if dev.type == "cpu":
         keep_freed_memory_in_heap()
     max_positions = max_positions_of(config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch_dtype)
-    try:
-        with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-            model = cls(config, backend, max_positions)
-    finally:
-        torch.set_default_dtype(previous)
-    model.to_empty(device=dev)
+    model = build_model(cls, config, backend, max_positions, torch_dtype, dev)
     with torch.no_grad():
         model.load_weights(iter_safetensors(folder))
     model.finish_loading(dev)
     model.eval().requires_grad_(False)
-    if use_compile(dev, backend):
-        model.compile_layers()
+    speed_up(model, dev, torch_dtype, backend)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     arch = model_arch(config, max_positions, eos_token_ids(folder, config, tokenizer))
     return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source)
+
+
+def build_model(
+    cls: type[torch.nn.Module],
+    config: PretrainedConfig,
+    backend: str,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.nn.Module:
+    """Uninitialised parameters of `dtype` on `device`: every one is overwritten by the checkpoint."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config, backend, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to_empty(device=device)
+
+
+def speed_up(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, backend: str) -> None:
+    """CPU: oneDNN-packed projections (bench/RESULTS.md), or torch.compile of the layers when asked for
+    (inductor cannot lower the packed ops, so it is one or the other)."""
+    if use_compile(device, backend):
+        model.compile_layers()
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available():
+        model.pack_for_cpu()
 
 
 def use_compile(device: torch.device, backend: str) -> bool:
@@ -117,10 +141,14 @@ def use_compile(device: torch.device, backend: str) -> bool:
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every checkpoint file; sharded folders are listed by model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    else:  # e.g. Mistral repos also carry consolidated.safetensors in another naming scheme: prefer model*
+        files = sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
+            p.name for p in folder.glob("*.safetensors")
+        )
     for file in files:
         with safe_open(str(folder / file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)

@@ -25,6 +25,11 @@ from llmdeploy.engine.sequence import Sequence
 log = logging.getLogger("llmdeploy.engine")
 GiB = 1 << 30
 CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other kernels' workspaces
+MIN_SPLIT_CONTEXT = 256  # decodes with shorter contexts always share the padded decode op
+# context length at which a prefill token's attention costs as much as its matmuls, per kernel backend (the
+# scheduler sizes continuing chunks by it); measured for the torch reference on SmolLM2 shapes: a 254-token chunk
+# took 0.24 s at context 0 and 0.57 s at context 1250. The Triton kernels are not measured yet: no sizing by cost.
+ATTN_COST_CONTEXT = {"torch": 512.0}
 
 
 @dataclass
@@ -46,6 +51,10 @@ class ModelRunner:
         self.model, self.arch = self.loaded.model, self.loaded.arch
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.block_size = config.block_size
+        ops = {layer.ops.__name__ for layer in self.model.attention_layers()}
+        self.kernel_backend = "torch" if ops == {"llmdeploy.kernels.reference"} else "triton"
+        self.pads_decodes = self.kernel_backend == "torch"
+        self.attn_cost_context = ATTN_COST_CONTEXT.get(self.kernel_backend)
         self.max_model_len = min(config.max_model_len, self.arch.max_position_embeddings)
         if self.max_model_len < config.max_model_len:
             log.warning(
@@ -81,48 +90,44 @@ class ModelRunner:
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def kv_cache_blocks(self) -> int:
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            free = torch.cuda.mem_get_info(self.device)[0]
-            peak = torch.cuda.max_memory_allocated(self.device)
-            budget = int(total * self.config.gpu_memory_utilization) - peak
-            reachable = free - CUDA_FREE_MARGIN  # what other processes left us
-            kv_bytes, how = (
-                min(budget, reachable),
-                (
-                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} of {total / GiB:.1f} GiB, "
-                    f"peak of weights + activations {peak / GiB:.2f} GiB, free now {free / GiB:.2f} GiB"
-                ),
-            )
-            fix = "raise engine.gpu_memory_utilization, free GPU memory, or lower model.max_model_len"
-        else:
-            kv_bytes, how = (
-                int(self.config.kv_cache_gb * GiB),
-                f"engine.kv_cache_gb={self.config.kv_cache_gb}",
-            )
-            fix = "raise engine.kv_cache_gb or lower model.max_model_len"
+        kv_bytes, how, fix = self.cuda_kv_bytes() if self.device.type == "cuda" else self.cpu_kv_bytes()
         num_blocks = max(0, kv_bytes) // self.block_bytes
         need = -(-self.max_model_len // self.block_size)
         if num_blocks < need:
             raise CapacityError(
-                f"The KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of {self.block_size}, "
-                f"{how}), but one sequence of max_model_len={self.max_model_len} needs {need} blocks "
-                f"({need * self.block_bytes / GiB:.3f} GiB); {fix}."
+                f"The KV cache holds {num_blocks * self.block_size} tokens ({num_blocks} blocks of "
+                f"{self.block_size}; {how}), but one sequence of max_model_len={self.max_model_len} needs {need} "
+                f"blocks ({need * self.block_bytes / GiB:.3f} GiB); {fix}."
             )
         return num_blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        a = self.arch
-        kv = torch.zeros(
-            2,
-            a.num_layers,
-            num_blocks,
-            self.block_size,
-            a.num_kv_heads,
-            a.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+    def cpu_kv_bytes(self) -> tuple[int, str, str]:
+        gb = self.config.kv_cache_gb
+        return (
+            int(gb * GiB),
+            f"engine.kv_cache_gb={gb}",
+            "raise engine.kv_cache_gb or lower model.max_model_len",
         )
+
+    def cuda_kv_bytes(self) -> tuple[int, str, str]:
+        """total x utilization - this process's peak (after warm-up), capped by what is free now."""
+        util = self.config.gpu_memory_utilization
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free = torch.cuda.mem_get_info(self.device)[0]
+        peak = torch.cuda.max_memory_allocated(self.device)
+        how = (
+            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB, peak of weights + activations "
+            f"{peak / GiB:.2f} GiB, free now {free / GiB:.2f} GiB"
+        )
+        fix = "raise engine.gpu_memory_utilization, free GPU memory, or lower model.max_model_len"
+        return min(int(total * util) - peak, free - CUDA_FREE_MARGIN), how, fix
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim], sliced into every layer.
+        Zeroed: padded rows the reference kernels gather (and mask) must not hold NaN."""
+        a = self.arch
+        shape = (2, a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
         return kv
@@ -175,50 +180,56 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
+    def split_decodes(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """(decodes to run as 1-token chunks, the rest). The torch reference decode op pads every sequence to the
+        longest context in the batch; a few long contexts among many short ones go through the per-sequence
+        chunk path instead (a 1500-token context among 18 of 200 cost 9 ms a layer padded, ~1 ms split)."""
+        if not self.pads_decodes or len(decodes) < 2:
+            return [], decodes
+        lens = sorted(len(s) for s in decodes)
+        cut = max(2 * lens[len(lens) // 2], MIN_SPLIT_CONTEXT)
+        if lens[-1] <= cut:
+            return [], decodes
+        return [s for s in decodes if len(s) > cut], [s for s in decodes if len(s) <= cut]
+
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
+        """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata."""
+        bs, dev = self.block_size, self.device
+        long_decodes, dec = self.split_decodes(batch.decodes)
+        chunks = batch.prefills + [(s, 1) for s in long_decodes]
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
-        cu_q, ctx, logit_idx = [0], [], []
-        for seq, n in batch.prefills:
+        cu_q, ctx, last = [0], [], {}  # last: seq_id -> flat index of the token whose logits it needs
+        for seq, n in chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
             pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slot_parts.append(np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
             cu_q.append(cu_q[-1] + n)
             ctx.append(end)
-            if end == len(seq):
-                logit_idx.append(cu_q[-1] - 1)
+            last[seq.seq_id] = cu_q[-1] - 1
         num_prefill = cu_q[-1]
-        dec = batch.decodes
         if dec:
             dpos = [len(s) - 1 for s in dec]
             ids.extend(s.token_ids[-1] for s in dec)
             pos_parts.append(np.asarray(dpos, dtype=np.int64))
-            slot_parts.append(
-                np.asarray(
-                    [s.block_table[p // bs] * bs + p % bs for s, p in zip(dec, dpos, strict=True)], np.int64
-                )
-            )
-            logit_idx.extend(range(num_prefill, num_prefill + len(dec)))
-        dev = self.device
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(dec, dpos, strict=True)]
+            slot_parts.append(np.asarray(slots, dtype=np.int64))
+            last.update((s.seq_id, num_prefill + j) for j, s in enumerate(dec))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=len(dec),
         )
-        if batch.prefills:
-            seqs = [s for s, _ in batch.prefills]
+        if chunks:
             meta.prefill_cu_seqlens_q = torch.tensor(cu_q, dtype=torch.int32, device=dev)
             meta.prefill_context_lens = torch.tensor(ctx, dtype=torch.int32, device=dev)
-            meta.prefill_block_tables = self.block_tables(seqs, max(ctx))
-            meta.prefill_max_q_len = max(n for _, n in batch.prefills)
+            meta.prefill_block_tables = self.block_tables([s for s, _ in chunks], max(ctx))
+            meta.prefill_max_q_len = max(n for _, n in chunks)
             meta.prefill_max_context_len = max(ctx)
         if dec:
             lens = [len(s) for s in dec]
@@ -226,7 +237,9 @@ class ModelRunner:
             meta.decode_block_tables = self.block_tables(dec, max(lens))
             meta.decode_max_context_len = max(lens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, torch.tensor(logit_idx, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        logit_idx = torch.tensor([last[s.seq_id] for s in batch.logit_seqs], dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logit_idx
 
     def block_tables(self, seqs: list[Sequence], max_context_len: int) -> torch.Tensor:
         width = -(-max_context_len // self.block_size)

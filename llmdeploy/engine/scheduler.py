@@ -3,21 +3,33 @@
 Every step: decodes first (one token per running sequence whose prompt is done), then the rest of the token
 budget (max_num_batched_tokens) goes to prefill chunks, so a running decode waits at most one chunk.
 Several partial prefills may share a step. Prefill order is shortest-remaining-prefill-first (short prompts
-get their first token quickly even behind a 10k-token prompt) with an age bound: a sequence that has waited
-`aging_steps` steps since it arrived goes first, oldest first, so a long prompt cannot be starved by a stream
-of short ones. A step that completes some prompt carries no partial chunk of another one (unless that one has
-aged): the steps that produce first tokens stay short, so a short request arriving behind a long prompt waits
-about one step, not a full budget plus its own prefill. Out of blocks: preemption by recompute; the victim is the
-most recently admitted sequence, which has the least work to lose; it goes back to the front of the queue.
+get their first token quickly even behind a 10k-token prompt) with an age bound: a sequence that has gone
+`aging_steps` steps in a row without prefill progress goes first, oldest first, so a long prompt gets a chunk at
+least that often however many short ones arrive, yet does not crowd them out while it progresses. A step that
+completes some prompt carries no partial chunk of another one (unless that one has aged): the steps that
+produce first tokens stay short, so a short request arriving behind a long prompt waits
+about one step, not a full budget plus its own prefill. With `attn_cost_context` set, a chunk that continues a
+prompt (its context already in the cache) is also sized by cost, not tokens alone, while other work waits:
+attention makes a token at context c cost about (1 + c / attn_cost_context) tokens, so late chunks of a long
+prompt shrink and every step stays about as long as a budget of fresh tokens. Out of blocks: preemption by
+recompute; the victim is the most recently admitted sequence, which has the least work to lose; it goes back to
+the front of the queue.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmdeploy.engine.block_manager import BlockManager
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
 from llmdeploy.engine.sequence import Sequence, SequenceStatus
+
+
+def chunk_within_cost(context: int, budget: int, attn_cost_context: float) -> int:
+    """Largest n with n * (1 + (context + n / 2) / attn_cost_context) <= budget (at least 1)."""
+    r, a = attn_cost_context, 1 + context / attn_cost_context
+    return max(1, int(r * (math.sqrt(a * a + 2 * budget / r) - a)))
 
 
 @dataclass
@@ -66,12 +78,13 @@ class Scheduler:
         max_model_len: int,
         aging_steps: int = 16,
         watermark: float = 0.01,
+        attn_cost_context: float | None = None,
     ):
         self.bm = block_manager
         # every running sequence must fit in one step's budget, or some decodes would stall
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
-        self.aging_steps = aging_steps
+        self.aging_steps, self.attn_cost_context = aging_steps, attn_cost_context
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.waiting: list[Sequence] = []  # preempted ones at the front
         self.running: list[Sequence] = []  # in admission order
@@ -131,10 +144,17 @@ class Scheduler:
         # then prefill chunks: admitted partial prefills and waiting sequences, by priority
         num_slots = sum(self.slots(s) for s in self.running)
         admitting, completed_one = True, False
-        for seq in self._prefill_order():
+        order = self._prefill_order()
+        crowded = bool(batch.decodes) or len(order) > 1
+        for seq in order:
             if budget <= 0:
                 break
-            if completed_one and seq.num_uncomputed > budget and self._priority(seq)[0] == 2:
+            limit = budget
+            if self.attn_cost_context and crowded and seq.num_computed_tokens:
+                limit = min(
+                    budget, chunk_within_cost(seq.num_computed_tokens, budget, self.attn_cost_context)
+                )
+            if completed_one and seq.num_uncomputed > limit and self._priority(seq)[0] == 2:
                 continue  # a young partial chunk would only slow down the step that yields first tokens
             if seq.status is SequenceStatus.WAITING:
                 if not admitting:
@@ -146,12 +166,15 @@ class Scheduler:
                     continue
                 self._admit(seq)
                 num_slots += self.slots(seq)
-            chunk = min(seq.num_uncomputed, budget)
+            chunk = min(seq.num_uncomputed, limit)
             batch.prefills.append((seq, chunk))
             budget -= chunk
             completed_one |= chunk == seq.num_uncomputed
             if chunk == seq.num_uncomputed and seq.num_forks:
                 self._fork(seq, batch)
+        served = {s.seq_id for s, _ in batch.prefills}
+        for seq in order:  # age only what got no prefill progress this step
+            seq.starved_steps = 0 if seq.seq_id in served else seq.starved_steps + 1
         return batch.finalize()
 
     def _prefill_order(self) -> list[Sequence]:
@@ -159,10 +182,9 @@ class Scheduler:
         return sorted(cands, key=self._priority)
 
     def _priority(self, seq: Sequence) -> tuple:
-        waited = self.step_count - seq.arrival_step
         if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
             return (0, seq.arrival_step, seq.seq_id)  # preempted: front of the queue
-        if waited >= self.aging_steps:
+        if seq.starved_steps >= self.aging_steps:
             return (1, seq.arrival_step, seq.seq_id)
         return (2, seq.num_uncomputed, seq.arrival_step, seq.seq_id)
 

@@ -42,6 +42,7 @@ class Sequence:
             self.params.n - 1 if index == 0 else 0
         )  # siblings made when the prompt's prefill ends
         self.arrival_step = 0
+        self.starved_steps = 0  # scheduler steps in a row without prefill progress (aging)
         self.admitted_once = False
         self.num_preemptions = 0
         self.finish_reason: str | None = None

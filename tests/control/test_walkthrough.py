@@ -1,4 +1,4 @@
-"""docs/gray-release.md runs as written on the embedded SmolLM2 (only the port is swapped for a free one)."""
+"""README's gray-release walkthrough runs as written on the embedded SmolLM2 (only the port is swapped for a free one)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,19 @@ import pytest
 from tests.control.conftest import Cli
 from tests.helpers.procs import free_port
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "gray-release.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def walkthrough_text() -> str:
+    text = README.read_text()
+    return text.split("## Gray release", 1)[1].split("\n## ", 1)[0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gray_release_walkthrough_runs_as_written(tmp_path):
     pytest.importorskip("gguf")
-    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", walkthrough_text(), flags=re.S)
     assert len(blocks) >= 5
     script = "set -euo pipefail\n" + "\n".join(blocks).replace("127.0.0.1:8000", f"127.0.0.1:{free_port()}")
     cli = Cli(tmp_path / "home")

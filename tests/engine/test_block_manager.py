@@ -117,6 +117,19 @@ def test_eviction_drops_the_hash():
     assert all(b.hash is None for b in bm.blocks)
 
 
+def test_reset_prefix_cache_only_when_idle():
+    bm = BlockManager(4, 4)
+    a = Sequence(list(range(9)))
+    bm.allocate(a)
+    computed(bm, a)
+    assert not bm.reset_prefix_cache()
+    bm.deallocate(a)
+    assert bm.reset_prefix_cache() and not bm.hash_to_block
+    b = Sequence(list(range(9)))
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0
+
+
 def test_prefix_caching_off_never_shares():
     bm = BlockManager(16, 4, prefix_caching=False)
     a = Sequence(list(range(10)))

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from llmdeploy.engine.loader import load_model
 from llmdeploy.engine.models import UnsupportedModelError
+from llmdeploy.engine.models.layers import PackedLinear, onednn_linear_available
 from llmdeploy.engine.rope import UnsupportedRopeError
 from llmdeploy.engine.weights_cache import cached_gguf_folder, ensure_converted, is_complete
 from tests.engine.paged_driver import PagedDriver
@@ -116,6 +117,15 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= 1e-4 * max(scale, 1.0), f"max abs diff {err} at logit scale {scale}"
 
 
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Every parameter and every projection (packed ones are not parameters) of two loads is equal."""
+    linear = lambda m: {n: x.weight for n, x in m.named_modules() if hasattr(x, "in_features")}  # noqa: E731
+    for x, y in ((dict(a.named_parameters()), dict(b.named_parameters())), (linear(a), linear(b))):
+        assert x.keys() == y.keys() and x
+        for name in x:
+            assert torch.equal(x[name], y[name]), name
+
+
 def encode(lm, texts=TEXTS) -> list[list[int]]:
     return [lm.tokenizer(t)["input_ids"] for t in texts]
 
@@ -171,6 +181,18 @@ def test_mixed_step_prefill_chunk_with_decodes(model_dir, case):
             for s, row in ((sa, last[1]), (sb, last[2])):
                 assert_logits_close(logits[row : row + 1], hf_logits(hf, s.tokens[: s.num_cached])[-1:])
             assert step < 2
+
+
+@pytest.mark.slow  # not a real model, but inductor's first compile takes 10-30 s on 2 cores
+def test_compiled_layers_match_transformers(model_dir, monkeypatch):
+    """LLMDEPLOY_COMPILE=1 (off by default): regional torch.compile with unpacked weights."""
+    monkeypatch.setenv("LLMDEPLOY_COMPILE", "1")
+    folder = model_dir("qwen3")
+    lm, hf = load_model(str(folder), dtype="float32"), hf_model(folder)
+    assert not isinstance(lm.model.lm_head, PackedLinear)
+    prompts = encode(lm)
+    with torch.inference_mode():
+        assert driver_for(lm).generate_greedy(prompts, 8) == [hf_greedy(hf, p, 8) for p in prompts]
 
 
 @pytest.mark.parametrize("chunks", [(16, 100), (13, 100), (5, 11, 100)])
@@ -230,6 +252,8 @@ def test_loaded_model_contract(model_dir):
     assert lm.tokenizer.chat_template and "<|im_start|>" in lm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
+    if onednn_linear_available():  # CPU projections run on oneDNN-packed weights
+        assert isinstance(lm.model.model.layers[0].mlp.gate_up_proj, PackedLinear)
     layers = lm.model.attention_layers()
     assert len(layers) == 2 and all(layer.ops.__name__ == "llmdeploy.kernels.reference" for layer in layers)
     assert all(not p.requires_grad for p in lm.model.parameters())
@@ -237,15 +261,18 @@ def test_loaded_model_contract(model_dir):
     assert logits.shape == (3, lm.arch.vocab_size) and logits.dtype == torch.float32
 
 
-def test_tied_embeddings_share_one_tensor(model_dir):
-    lm = load_model(str(model_dir("llama-tied")))
-    assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+def test_tied_embeddings(model_dir):
+    """The head is the embedding (on CPU a oneDNN-packed copy of it: the embedding itself needs rows)."""
+    for dtype in ("float32", "bfloat16"):
+        lm = load_model(str(model_dir("llama-tied")), dtype=dtype)
+        assert torch.equal(lm.model.lm_head.weight, lm.model.model.embed_tokens.weight)
 
 
 def test_bfloat16_weights_and_float32_logits(model_dir):
     folder = model_dir("llama")
     lm32, lm16 = load_model(str(folder), dtype="float32"), load_model(str(folder), dtype="bfloat16")
     assert lm16.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in lm16.model.parameters())
+    assert lm16.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     ids = encode(lm32)[0]
     out = []
     with torch.inference_mode():
@@ -287,6 +314,15 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_unknown_model_type_without_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "brand_new_lm", "hidden_size": 8}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        UnsupportedModelError, match=r"architecture \(none given; model_type 'brand_new_lm'\)"
+    ):
+        load_model(str(tmp_path))
+
+
 def test_unsupported_rope_type_is_named(tmp_path, model_dir):
     for f in model_dir("llama").iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
@@ -317,6 +353,20 @@ def test_missing_weight_is_reported(tmp_path, model_dir):
         load_model(str(tmp_path))
 
 
+def test_unexpected_weight_is_reported(tmp_path, model_dir):
+    from safetensors.torch import load_file
+
+    for f in model_dir("llama").iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.7.self_attn.q_proj.weight"] = weights[
+        "model.layers.0.self_attn.q_proj.weight"
+    ].clone()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.7.self_attn.q_proj.weight has no place"):
+        load_model(str(tmp_path))
+
+
 def test_bad_dtype_is_rejected(model_dir):
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         load_model(str(model_dir("llama")), dtype="float8")
@@ -339,10 +389,7 @@ def test_gguf_loads_through_the_cache(tiny_gguf, model_dir):
     second = load_model(str(tiny_gguf))
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no temp folders left
-    for (name, a), (_, b) in zip(
-        first.model.state_dict().items(), second.model.state_dict().items(), strict=True
-    ):
-        assert torch.equal(a, b), name
+    assert_same_weights(first.model, second.model)
     assert second.tokenizer.chat_template == first.tokenizer.chat_template is not None
     hf = hf_model(model_dir("llama"))  # the HF folder the GGUF was written from
     ids = encode(second)[0]
@@ -387,10 +434,7 @@ def test_builtin_smollm2_gguf_cache_and_greedy_parity(tmp_path, monkeypatch):
     first = load_model("builtin:smollm2-135m-instruct")
     second = load_model("builtin:smollm2-135m-instruct")
     assert is_complete(cached_gguf_folder(second.source.path))
-    for (name, a), (_, b) in zip(
-        first.model.state_dict().items(), second.model.state_dict().items(), strict=True
-    ):
-        assert torch.equal(a, b), name
+    assert_same_weights(first.model, second.model)
     lm = second
     assert lm.arch.eos_token_ids == [2] and lm.model.tie_word_embeddings
     chat = lm.tokenizer.apply_chat_template(

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
+from llmdeploy.engine.scheduler import chunk_within_cost
 from llmdeploy.engine.sequence import SequenceStatus
 from tests.engine.sim import make_scheduler, run_all, seq, step
 
@@ -65,13 +66,16 @@ def test_aging_bounds_how_long_a_long_prompt_waits():
     long = seq(40, max_tokens=1, start=5000)
     sched.add(long)
     got = []
-    for i in range(30):  # two fresh 4-token prompts arrive every step: shorts alone would fill the budget
+    for i in range(40):  # two fresh 4-token prompts arrive every step: shorts alone would fill the budget
         sched.add(seq(4, max_tokens=1, start=i * 100))
         sched.add(seq(4, max_tokens=1, start=i * 100 + 50))
         batch = step(sched)
-        got.append(any(s is long for s, _ in batch.prefills))
-    assert not any(got[: aging - 1])  # starved while young
-    assert all(got[aging - 1 : aging + 4])  # aged: it goes first until its prefill is done
+        got.append(sum(n for s, n in batch.prefills if s is long))
+    served = [i for i, n in enumerate(got) if n]
+    assert served[0] == aging  # starved for `aging` steps, then first
+    gaps = [b - a for a, b in zip(served, served[1:], strict=False)]
+    assert max(gaps) <= aging + 1  # and a chunk at least that often
+    assert all(got[i] == 8 for i in served[:-1])  # aged: it goes first and gets the whole budget
     assert long.is_finished
 
 
@@ -99,13 +103,43 @@ def test_an_aged_partial_chunk_goes_before_short_ones():
     step(sched)
     long = seq(100)
     sched.add(long)
-    step(sched)
-    step(sched)
-    short = seq(6, start=500)
+    assert step(sched).prefills == [(long, 31)]
+    for i in range(2):  # short prompts take two steps in a row: the long one starves
+        sched.add(seq(6, start=500 + 10 * i))
+        assert [s for s, _ in step(sched).prefills] != [long]
+    short = seq(6, start=700)
     sched.add(short)
-    assert step(sched).prefills == [(long, 31)]  # aged: first, whatever waits behind it
-    assert step(sched).prefills == [(long, 7), (short, 6)]  # its last chunk; the short one gets the rest
-    assert short.num_output_tokens == 1
+    assert step(sched).prefills[0][0] is long  # aged: first, whatever waits behind it
+    assert short.num_output_tokens == 0
+
+
+def test_chunk_within_cost():
+    for ctx in (0, 100, 1000, 5000):
+        n = chunk_within_cost(ctx, 256, 512.0)
+        assert n * (1 + (ctx + n / 2) / 512) <= 256 < (n + 1) * (1 + (ctx + (n + 1) / 2) / 512)
+    assert chunk_within_cost(10**6, 16, 512.0) == 1
+
+
+def test_continuing_chunks_shrink_with_context_while_others_wait():
+    sched = make_scheduler(
+        max_num_batched_tokens=64, num_blocks=512, max_model_len=2048, attn_cost_context=64.0
+    )
+    other = seq(4, max_tokens=200, start=9000)
+    sched.add(other)
+    step(sched)
+    long = seq(600)
+    sched.add(long)
+    chunks = []
+    while long.num_uncomputed > 1:
+        chunks += [n for s, n in step(sched).prefills if s is long]
+    assert chunks[0] == 63  # nothing cached yet: tokens only
+    assert chunks[1] > chunks[5] > chunks[-2]  # later chunks attend to more context: fewer tokens per step
+    alone = make_scheduler(
+        max_num_batched_tokens=64, num_blocks=512, max_model_len=2048, attn_cost_context=64.0
+    )
+    solo = seq(600)
+    alone.add(solo)
+    assert [n for _ in range(3) for s, n in step(alone).prefills] == [64, 64, 64]  # nobody waits: full budget
 
 
 def test_max_num_seqs_caps_the_batch():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-from transformers import PretrainedConfig
 
 from llmdeploy.engine.errors import EngineError
 from llmdeploy.engine.models.llama import (
@@ -34,14 +33,15 @@ class UnsupportedModelError(EngineError, ValueError):
     pass
 
 
-def model_class(config: PretrainedConfig) -> type[nn.Module]:
-    names = getattr(config, "architectures", None) or []
-    if not names and getattr(config, "model_type", None) in MODEL_TYPES:
-        names = [MODEL_TYPES[config.model_type]]
+def model_class(architectures: list[str] | None, model_type: str | None = None) -> type[nn.Module]:
+    """config.json's `architectures` (or, without it, `model_type`) -> the class; a clear error otherwise."""
+    names = list(architectures or [])
+    if not names and model_type in MODEL_TYPES:
+        names = [MODEL_TYPES[model_type]]
     for name in names:
         if name in MODEL_REGISTRY:
             return MODEL_REGISTRY[name]
-    shown = ", ".join(repr(n) for n in names) or f"(none; model_type {getattr(config, 'model_type', None)!r})"
+    shown = ", ".join(repr(n) for n in names) or f"(none given; model_type {model_type!r})"
     raise UnsupportedModelError(
         f"architecture {shown} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
     )

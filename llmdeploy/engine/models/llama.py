@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from llmdeploy.engine.attention import AttentionMetadata, PagedAttention
-from llmdeploy.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from llmdeploy.engine.models.layers import MergedLinear, RMSNorm, pack_linears, silu_and_mul
 from llmdeploy.engine.rope import build_cos_sin_cache
 from llmdeploy.kernels import get_ops
 
@@ -31,7 +30,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 @torch.compiler.disable
-def paged_attention(attn: PagedAttention, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    attn: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
     """Opaque to torch.compile: the metadata carries per-step ints and lists that would force recompiles."""
     return attn(q, k, v, meta)
 
@@ -138,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache = torch.empty(0)
+        self.packed = False
+
+    def pack_for_cpu(self) -> None:
+        """After loading, on CPU: every projection (a tied head too, as its own copy) in oneDNN's packed layout."""
+        pack_linears(self)
+        self.packed = True
 
     def finish_loading(self, device: torch.device) -> None:
         """After the weights are in place; re-ties because materialising a meta module unties shared weights."""
@@ -159,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, self.cos_sin_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -174,16 +181,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_name, _, param_kind = name.rpartition(".")
             prefix, _, proj = module_name.rpartition(".")
-            if proj in STACKED:
-                fused, shard_id = STACKED[proj]
-                fused_name = f"{prefix}.{fused}"
-                target = modules[fused_name].shard(params[f"{fused_name}.{param_kind}"], shard_id)
-                loaded.add((f"{fused_name}.{param_kind}", shard_id))
-            elif name in params:
-                target = params[name].data
-                loaded.add((name, ""))
-            else:
+            fused, shard_id = STACKED.get(proj, (proj, ""))
+            param_name = f"{prefix}.{fused}.{param_kind}" if shard_id else name
+            if param_name not in params:
                 raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
+            param = params[param_name]
+            target = modules[f"{prefix}.{fused}"].shard(param, shard_id) if shard_id else param.data
+            loaded.add((param_name, shard_id))
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
