@@ -29,3 +29,14 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model) -> Path:
     return tiny_model("llama")
+
+
+def _triton_interpreter_without_cuda() -> None:
+    """TRITON_INTERPRET is read when a kernel is decorated: set it before any test module imports one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_triton_interpreter_without_cuda()

@@ -400,6 +400,20 @@ def test_gguf_loads_through_the_cache(tiny_gguf, model_dir):
     assert_logits_close(second.model.compute_logits(hidden), hf_logits(hf, ids))
 
 
+def test_gguf_without_output_weight_ties_the_head(tmp_path, monkeypatch, model_dir):
+    monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(model_dir("llama-tied"), tmp_path / "tied.gguf")  # no output.weight in the file
+    lm = load_model(str(gguf))
+    assert lm.model.tie_word_embeddings
+    assert torch.equal(lm.model.lm_head.weight, lm.model.model.embed_tokens.weight)
+    hf = hf_model(model_dir("llama-tied"))
+    ids = encode(lm)[0]
+    driver = driver_for(lm)
+    with torch.inference_mode():
+        hidden, _ = driver.forward([(driver.new_seq(ids), len(ids))], [])
+    assert_logits_close(lm.model.compute_logits(hidden), hf_logits(hf, ids))
+
+
 def test_gguf_cache_rebuilds_incomplete_entry_and_ignores_temp(tiny_gguf):
     cached = cached_gguf_folder(tiny_gguf)
     cached.mkdir(parents=True)

@@ -538,31 +538,48 @@ def wait_running(client: httpx.Client, timeout_s: float = 10) -> dict:
     return load
 
 
-LONG = {
-    "model": ALIAS,
-    "prompt": "Hello",
-    "max_tokens": MAX_MODEL_LEN - 8,
-    "temperature": 0,
-    "ignore_eos": True,
-}
+# A request that runs for seconds, so a disconnect always lands while it is generating: a wider, deeper
+# tiny model (a few ms per token) with room for 2,000 tokens, started once for the disconnect tests.
+SLOW_MODEL = dict(
+    hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
+LONG = {"model": ALIAS, "prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
 
 
-def test_stream_disconnect_frees_blocks(client, url):
+@pytest.fixture(scope="module")
+def slow_engine(tiny_model, tmp_path_factory):
+    model = tiny_model("llama", **SLOW_MODEL)
+    log = tmp_path_factory.mktemp("slow-engine") / "engine.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "llmdeploy.engine", "--model", str(model), "--served-alias", ALIAS, "--port", str(port)]
+    args += ["--max-model-len", "2048", "--kv-cache-gb", "0.05", "--device", "cpu", "--dtype", "float32"]
+    proc = ServerProcess(args, f"{url}/health", log).start()
+    with httpx.Client(base_url=url, timeout=60) as c:
+        yield url, c
+    proc.stop()
+
+
+def test_stream_disconnect_frees_blocks(slow_engine):
+    url, client = slow_engine
     wait_idle(client)
     aborted = aborted_count(client)
     with (
         httpx.Client(base_url=url, timeout=30) as other,
         other.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp,
     ):
-        next(line for line in resp.iter_lines() if line.startswith("data: "))
+        lines = resp.iter_lines()  # held: a dropped line iterator would close the connection itself
+        first = next(line for line in lines if line.startswith("data: "))
         busy = client.get("/load").json()
-        assert busy["running"] == 1 and busy["free_blocks"] < busy["total_blocks"]
+        assert busy["running"] == 1 and busy["free_blocks"] < busy["total_blocks"], (first, busy)
     # the connection is closed: the engine must drop the request and free its blocks right away
     wait_idle(client, timeout_s=5)
     assert aborted_count(client) == aborted + 1
 
 
-def test_non_stream_disconnect_frees_blocks(client, url):
+def test_non_stream_disconnect_frees_blocks(slow_engine):
+    url, client = slow_engine
     wait_idle(client)
     aborted = aborted_count(client)
     payload = json.dumps(LONG).encode()

@@ -46,7 +46,10 @@ class MergedLinear(nn.Linear):
 
 
 def onednn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
 
 
 class PackedLinear(nn.Module):
