@@ -125,7 +125,9 @@ def test_bad_yaml_example_prints_what_the_readme_says(tmp_path):
 def test_client_examples_match_the_example_file():
     spec = load_spec_file(REPO / "llmdeploy.yaml.example", env={}).spec
     base_url = f"http://{spec.listen}/v1"
-    calling = section("## Calling it")  # the examples for the example file; other sections use their own files
+    calling = section(
+        "## Calling it"
+    )  # the examples for the example file; other sections use their own files
     (python,) = fenced("python", calling)
     ast.parse(python)
     assert f'base_url="{base_url}"' in python and f'model="{spec.model.served_alias}"' in python

@@ -541,7 +541,11 @@ def wait_running(client: httpx.Client, timeout_s: float = 10) -> dict:
 # A request that runs for seconds, so a disconnect always lands while it is generating: a wider, deeper
 # tiny model (a few ms per token) with room for 2,000 tokens, started once for the disconnect tests.
 SLOW_MODEL = dict(
-    hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     max_position_embeddings=2048,
 )
 LONG = {"model": ALIAS, "prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
