@@ -56,7 +56,10 @@ class Cli:
     """Runs `llmdeploy ...` with LLMDEPLOY_HOME pointing at a test folder."""
 
     def __init__(self, home: Path, env: dict[str, str] | None = None):
-        self.home, self.env = home, {**os.environ, "LLMDEPLOY_HOME": str(home), **(env or {})}
+        # the venv's bin first: scripts run by tests (the README walkthrough) call `llmdeploy` and `python`
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        self.env = {**os.environ, "PATH": path, "LLMDEPLOY_HOME": str(home), **(env or {})}
+        self.home = home
 
     def run(
         self, *args: str, timeout: float = 240, env: dict[str, str] | None = None
