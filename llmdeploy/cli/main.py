@@ -37,9 +37,13 @@ def _register_commands() -> None:
     import llmdeploy.cli as cli_pkg
 
     # each llmdeploy/cli/cmd_*.py exposes register(app); keeps main.py free of command logic
-    for info in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda i: i.name):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"llmdeploy.cli.{info.name}").register(app)
+    first = [
+        "cmd_spec",
+        "cmd_deploy",
+    ]  # --help lists commands in the order of a user's day: validate, plan, apply...
+    names = [i.name for i in pkgutil.iter_modules(cli_pkg.__path__) if i.name.startswith("cmd_")]
+    for name in sorted(names, key=lambda n: (first.index(n) if n in first else len(first), n)):
+        importlib.import_module(f"llmdeploy.cli.{name}").register(app)
 
 
 _register_commands()

@@ -28,7 +28,7 @@ import httpx
 from llmdeploy.control.keys import referenced_env
 from llmdeploy.control.paths import DeploymentPaths
 from llmdeploy.control.state import EngineRecord, StateStore
-from llmdeploy.spec.models import DeploymentSpec
+from llmdeploy.spec.models import DeploymentSpec, not_yet_supported
 
 log = logging.getLogger("llmdeploy.supervisor")
 OWNER_ENV = "LLMDEPLOY_ENGINE_OWNER"
@@ -64,11 +64,8 @@ def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> li
 
 def unsupported(spec: DeploymentSpec) -> str | None:
     """What this supervisor cannot run yet; refused before anything starts."""
-    if spec.parallel.backend != "local":
-        return "parallel.backend: ray is not supported by this daemon yet; use backend: local"
-    if spec.parallel.tensor_parallel != 1:
-        return "parallel.tensor_parallel > 1 is not supported by the engine yet; use replicas for more copies"
-    return None
+    found = not_yet_supported(spec)
+    return f"{'.'.join(found[0])}: {found[1]}" if found else None
 
 
 def backoff_s(consecutive_crashes: int) -> float:

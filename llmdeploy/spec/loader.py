@@ -22,7 +22,7 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from llmdeploy.spec.models import DeploymentSpec, RuleError, is_loopback
+from llmdeploy.spec.models import DeploymentSpec, RuleError, is_loopback, not_yet_supported
 from llmdeploy.spec.sources import ModelSourceError, resolve_model_source
 
 Loc = tuple[str | int, ...]
@@ -357,6 +357,8 @@ class _Validation:
                     "requests cannot go to the cloud until it is",
                 )
             )
+        if found := not_yet_supported(spec):
+            out.append((found[0], f"{found[1]} (apply refuses it)"))
         return [self.at(loc, msg) for loc, msg in out if not any(_overlaps(loc, p) for p in self.pruned)]
 
 

@@ -361,3 +361,15 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def not_yet_supported(spec: DeploymentSpec) -> tuple[tuple[str, ...], str] | None:
+    """Legal keys whose values this release cannot run yet: (path, message). validate warns, apply refuses."""
+    if spec.parallel.backend != "local":
+        return ("parallel", "backend"), "ray is not supported yet; use backend: local"
+    if spec.parallel.tensor_parallel != 1:
+        return (
+            ("parallel", "tensor_parallel"),
+            "values above 1 are not supported by the engine yet; use replicas for more copies",
+        )
+    return None

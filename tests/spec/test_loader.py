@@ -429,3 +429,11 @@ def test_issue_format():
     assert i.format() == "a.yaml:3:5: engine.block_size: must be a power of two"
     assert i.format("warning") == "a.yaml:3:5: warning: engine.block_size: must be a power of two"
     assert SpecIssue("a.yaml", 1, 1, "", "the file is empty").format() == "a.yaml:1:1: the file is empty"
+
+
+def test_values_this_release_cannot_run_are_warned_at_their_line():
+    text = "name: tp\nparallel:\n  tensor_parallel: 2\n"
+    result = load_spec_text(text, "tp.yaml", env={})
+    assert result.spec is not None and not result.errors
+    (warning,) = [w for w in result.warnings if w.path == "parallel.tensor_parallel"]
+    assert (warning.line, warning.col) == (3, 3) and "apply refuses it" in warning.message
