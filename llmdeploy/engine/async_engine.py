@@ -108,8 +108,13 @@ class AsyncLLMEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        check: bool = True,
     ) -> AsyncIterator[RequestOutput]:
+        """check=False: the caller already ran check_request on this prompt and these params."""
         if not self.running or self._loop is not asyncio.get_running_loop():
             await self.start()
         rid = request_id or uuid.uuid4().hex
@@ -117,7 +122,7 @@ class AsyncLLMEngine:
             raise ParamError("request_id", f"Request id {rid!r} is already in use.")
         stream = self._streams[rid] = OutputStream()
         try:
-            self.engine.add_request(rid, prompt_token_ids, params)
+            self.engine.add_request(rid, prompt_token_ids, params, check=check)
         except BaseException:
             self._streams.pop(rid, None)
             raise

@@ -159,7 +159,9 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Follows one request's outputs: inter-token gaps as they arrive, the rest from its timestamps at the end."""
+    """Follows one request's outputs. Inter-token gaps come from the engine's token timestamps, not from when the
+    outputs reach the server: a consumer that falls behind gets several tokens in one output, and every token
+    after the first still counts one gap."""
 
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics
@@ -167,16 +169,18 @@ class RequestTracker:
         self.done = False
 
     def on_output(self, out: RequestOutput) -> None:
-        now = time.perf_counter()
+        t = out.metrics
         for c in out.outputs:
             k = len(c.delta_token_ids)
-            if not k:
+            if not k or t.first_token_time is None or t.last_token_time is None:
                 continue
             prev = self.last_token_at.get(c.index)
-            if prev is not None:
-                for _ in range(k):  # tokens that arrive together share the gap
-                    self.m.itl.observe((now - prev) / k)
-            self.last_token_at[c.index] = now
+            gaps = k if prev is not None else k - 1  # the first token starts the clock; TTFT covers it
+            if gaps:
+                gap = max(0.0, t.last_token_time - (prev if prev is not None else t.first_token_time)) / gaps
+                for _ in range(gaps):  # tokens that arrive together share the time they took
+                    self.m.itl.observe(gap)
+            self.last_token_at[c.index] = t.last_token_time
         if out.finished:
             self._on_finished(out)
 

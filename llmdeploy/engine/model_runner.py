@@ -7,6 +7,7 @@ but never more than is actually free now (other processes' memory is not subtrac
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -25,11 +26,28 @@ from llmdeploy.engine.sequence import Sequence
 log = logging.getLogger("llmdeploy.engine")
 GiB = 1 << 30
 CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other kernels' workspaces
-MIN_SPLIT_CONTEXT = 256  # decodes with shorter contexts always share the padded decode op
-# context length at which a prefill token's attention costs as much as its matmuls, per kernel backend (the
-# scheduler sizes continuing chunks by it); measured for the torch reference on SmolLM2 shapes: a 254-token chunk
-# took 0.24 s at context 0 and 0.57 s at context 1250. The Triton kernels are not measured yet: no sizing by cost.
-ATTN_COST_CONTEXT = {"torch": 512.0}
+# How fast the torch reference attention runs per FLOP, relative to the projections, by dtype. Measured on SmolLM2-135M
+# (2 threads, 2026-11-30): a chunk of n tokens after c cached ones took n x 0.71 ms x (1 + c / 1000) in float32 and
+# n x 0.43 ms x (1 + c / 550) in bfloat16, against a FLOP parity context of 3072 (see attn_cost_context).
+# The Triton kernels are not measured yet: no sizing by cost there.
+TORCH_ATTN_EFFICIENCY = {torch.float32: 0.33, torch.bfloat16: 0.18, torch.float16: 0.18}
+
+
+def release_openmp_workers() -> bool:
+    """Ends this thread's idle OpenMP worker threads (`omp_pause_resource_all(omp_pause_soft)`); its next parallel
+    op starts them again. Why: libgomp stops spin-waiting for work once it manages more threads than there are
+    CPUs, and then every parallel op (each projection, gather, bmm) pays futex wake-ups. The loading thread's idle
+    workers plus those of a step loop on another thread (AsyncLLMEngine) are such a case: on 2 cores decode went
+    from 18 to 28 ms/token and a 128-token prefill from 90 to 130 ms. Best effort: False where there is no
+    libgomp in this process (another OpenMP runtime, or none)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+        for path in paths:
+            return ctypes.CDLL(path).omp_pause_resource_all(1) == 0  # 1 = omp_pause_soft
+    except (OSError, AttributeError):
+        pass
+    return False
 
 
 @dataclass
@@ -53,8 +71,7 @@ class ModelRunner:
         self.block_size = config.block_size
         ops = {layer.ops.__name__ for layer in self.model.attention_layers()}
         self.kernel_backend = "torch" if ops == {"llmdeploy.kernels.reference"} else "triton"
-        self.pads_decodes = self.kernel_backend == "torch"
-        self.attn_cost_context = ATTN_COST_CONTEXT.get(self.kernel_backend)
+        self.attn_cost_context = self.measured_attn_cost_context()
         self.max_model_len = min(config.max_model_len, self.arch.max_position_embeddings)
         if self.max_model_len < config.max_model_len:
             log.warning(
@@ -66,6 +83,7 @@ class ModelRunner:
         self.rates = self.warmup()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        release_openmp_workers()
         self.capacity = Capacity(
             self.num_blocks,
             self.block_size,
@@ -82,6 +100,21 @@ class ModelRunner:
             self.capacity.max_model_len_seqs,
             self.max_model_len,
         )
+
+    def measured_attn_cost_context(self) -> float | None:
+        """Context length at which a prefill token's attention costs as much as its projections (the scheduler
+        sizes chunks by it): the FLOP parity context (projection FLOPs per token / attention FLOPs per cached
+        token) scaled by the attention's measured relative speed. None where it is not measured."""
+        efficiency = TORCH_ATTN_EFFICIENCY.get(self.dtype) if self.kernel_backend == "torch" else None
+        if efficiency is None:
+            return None
+        proj = sum(  # per token, all layers
+            2 * m.in_features * m.out_features
+            for name, m in self.model.named_modules()
+            if hasattr(m, "in_features") and not name.endswith("lm_head")
+        )
+        layers = self.model.attention_layers()
+        return efficiency * proj / (4 * layers[0].num_heads * layers[0].head_dim * len(layers))
 
     # KV cache sizing
     @property
@@ -180,25 +213,12 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def split_decodes(self, decodes: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """(decodes to run as 1-token chunks, the rest). The torch reference decode op pads every sequence to the
-        longest context in the batch; a few long contexts among many short ones go through the per-sequence
-        chunk path instead (a 1500-token context among 18 of 200 cost 9 ms a layer padded, ~1 ms split)."""
-        if not self.pads_decodes or len(decodes) < 2:
-            return [], decodes
-        lens = sorted(len(s) for s in decodes)
-        cut = max(2 * lens[len(lens) // 2], MIN_SPLIT_CONTEXT)
-        if lens[-1] <= cut:
-            return [], decodes
-        return [s for s in decodes if len(s) > cut], [s for s in decodes if len(s) <= cut]
-
     def prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata."""
         bs, dev = self.block_size, self.device
-        long_decodes, dec = self.split_decodes(batch.decodes)
-        chunks = batch.prefills + [(s, 1) for s in long_decodes]
+        chunks, dec = batch.prefills, batch.decodes
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []

@@ -5,15 +5,19 @@ budget (max_num_batched_tokens) goes to prefill chunks, so a running decode wait
 Several partial prefills may share a step. Prefill order is shortest-remaining-prefill-first (short prompts
 get their first token quickly even behind a 10k-token prompt) with an age bound: a sequence that has gone
 `aging_steps` steps in a row without prefill progress goes first, oldest first, so a long prompt gets a chunk at
-least that often however many short ones arrive, yet does not crowd them out while it progresses. A step that
-completes some prompt carries no partial chunk of another one (unless that one has aged): the steps that
-produce first tokens stay short, so a short request arriving behind a long prompt waits
-about one step, not a full budget plus its own prefill. With `attn_cost_context` set, a chunk that continues a
-prompt (its context already in the cache) is also sized by cost, not tokens alone, while other work waits:
-attention makes a token at context c cost about (1 + c / attn_cost_context) tokens, so late chunks of a long
-prompt shrink and every step stays about as long as a budget of fresh tokens. Out of blocks: preemption by
-recompute; the victim is the most recently admitted sequence, which has the least work to lose; it goes back to
-the front of the queue.
+least that often however many short ones arrive, yet does not crowd them out while it progresses.
+
+A short request's TTFT is the rest of the step running when it arrives plus its own step, so both stay short:
+- With `long_prefill_threshold` set, a prompt with more uncomputed tokens than that at admission is long (as in
+  vLLM's long_prefill_token_threshold). While other work is in the engine, all long prompts' chunks of one step
+  together cost at most `long_prefill_budget` (default: the threshold), so no step is longer than a short prompt's
+  own; long prompts come after short ones in the prefill order.
+- A step that completes some prompt carries no partial chunk and no long prompt's chunk (unless aged): the steps
+  that produce first tokens stay short.
+- Costs count attention (`attn_cost_context`): a token at context c costs about (1 + c / attn_cost_context)
+  tokens, so late chunks of a long prompt shrink and every step stays about as long as its cost in fresh tokens.
+Out of blocks: preemption by recompute; the victim is the most recently admitted sequence, which has the least
+work to lose; it goes back to the front of the queue.
 """
 
 from __future__ import annotations
@@ -26,10 +30,15 @@ from llmdeploy.engine.errors import CapacityError, ContextLengthError
 from llmdeploy.engine.sequence import Sequence, SequenceStatus
 
 
-def chunk_within_cost(context: int, budget: int, attn_cost_context: float) -> int:
+def chunk_within_cost(context: int, budget: float, attn_cost_context: float) -> int:
     """Largest n with n * (1 + (context + n / 2) / attn_cost_context) <= budget (at least 1)."""
     r, a = attn_cost_context, 1 + context / attn_cost_context
     return max(1, int(r * (math.sqrt(a * a + 2 * budget / r) - a)))
+
+
+def chunk_cost(context: int, n: int, attn_cost_context: float | None) -> float:
+    """A chunk of n tokens after `context` cached ones, in fresh-token equivalents."""
+    return n * (1 + (context + n / 2) / attn_cost_context) if attn_cost_context else float(n)
 
 
 @dataclass
@@ -79,12 +88,17 @@ class Scheduler:
         aging_steps: int = 16,
         watermark: float = 0.01,
         attn_cost_context: float | None = None,
+        long_prefill_threshold: int | None = None,
+        long_prefill_budget: float | None = None,
     ):
         self.bm = block_manager
         # every running sequence must fit in one step's budget, or some decodes would stall
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.aging_steps, self.attn_cost_context = aging_steps, attn_cost_context
+        self.long_prefill_threshold = long_prefill_threshold
+        self.long_prefill_budget = long_prefill_budget or long_prefill_threshold
+        self.long_prefills: set[int] = set()  # running sequences whose prompt was long at admission
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.waiting: list[Sequence] = []  # preempted ones at the front
         self.running: list[Sequence] = []  # in admission order
@@ -146,15 +160,15 @@ class Scheduler:
         admitting, completed_one = True, False
         order = self._prefill_order()
         crowded = bool(batch.decodes) or len(order) > 1
+        long_budget = self.long_prefill_budget if crowded and self.long_prefill_threshold else math.inf
         for seq in order:
             if budget <= 0:
                 break
-            limit = budget
-            if self.attn_cost_context and crowded and seq.num_computed_tokens:
-                limit = min(
-                    budget, chunk_within_cost(seq.num_computed_tokens, budget, self.attn_cost_context)
-                )
-            if completed_one and seq.num_uncomputed > limit and self._priority(seq)[0] == 2:
+            young, long = self._priority(seq)[0] >= 2, self._is_long(seq)
+            if long and (long_budget <= 0 or (completed_one and young)):
+                continue  # the step that yields first tokens stays short
+            limit = self._limit(seq, budget, long_budget if long else math.inf, crowded)
+            if completed_one and seq.num_uncomputed > limit and young:
                 continue  # a young partial chunk would only slow down the step that yields first tokens
             if seq.status is SequenceStatus.WAITING:
                 if not admitting:
@@ -166,9 +180,13 @@ class Scheduler:
                     continue
                 self._admit(seq)
                 num_slots += self.slots(seq)
+                if long and not self._is_long(seq):  # a prefix-cache hit made it short after all
+                    long, limit = False, self._limit(seq, budget, math.inf, crowded)
             chunk = min(seq.num_uncomputed, limit)
             batch.prefills.append((seq, chunk))
             budget -= chunk
+            if long:
+                long_budget -= chunk_cost(seq.num_computed_tokens, chunk, self.attn_cost_context)
             completed_one |= chunk == seq.num_uncomputed
             if chunk == seq.num_uncomputed and seq.num_forks:
                 self._fork(seq, batch)
@@ -176,6 +194,27 @@ class Scheduler:
         for seq in order:  # age only what got no prefill progress this step
             seq.starved_steps = 0 if seq.seq_id in served else seq.starved_steps + 1
         return batch.finalize()
+
+    def _limit(self, seq: Sequence, budget: int, long_budget: float, crowded: bool) -> int:
+        """Most tokens seq's chunk may have this step: the token budget, the long prompts' cost budget, and while
+        others wait a continuing chunk's cost (its attention over the cached context) within the token budget."""
+        if long_budget < math.inf:
+            return min(budget, self._chunk_for(seq, long_budget))
+        if crowded and seq.num_computed_tokens:
+            return min(budget, self._chunk_for(seq, budget))
+        return budget
+
+    def _chunk_for(self, seq: Sequence, cost: float) -> int:
+        """The most tokens of seq's next chunk within `cost` (tokens alone without attn_cost_context)."""
+        if not self.attn_cost_context:
+            return max(1, int(cost))
+        return chunk_within_cost(seq.num_computed_tokens, cost, self.attn_cost_context)
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """Long prompt (see the module doc); decided at admission, when prefix-cache hits are known."""
+        if seq.status is SequenceStatus.RUNNING:
+            return seq.seq_id in self.long_prefills
+        return self.long_prefill_threshold is not None and seq.num_uncomputed > self.long_prefill_threshold
 
     def _prefill_order(self) -> list[Sequence]:
         cands = [s for s in self.running if s.num_uncomputed > 1] + self.waiting
@@ -186,10 +225,12 @@ class Scheduler:
             return (0, seq.arrival_step, seq.seq_id)  # preempted: front of the queue
         if seq.starved_steps >= self.aging_steps:
             return (1, seq.arrival_step, seq.seq_id)
-        return (2, seq.num_uncomputed, seq.arrival_step, seq.seq_id)
+        return (2 + self._is_long(seq), seq.num_uncomputed, seq.arrival_step, seq.seq_id)
 
     def _admit(self, seq: Sequence) -> None:
         self.bm.allocate(seq)
+        if self.long_prefill_threshold is not None and seq.num_uncomputed > self.long_prefill_threshold:
+            self.long_prefills.add(seq.seq_id)
         seq.admitted_once = True
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
@@ -206,6 +247,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.long_prefills.discard(seq.seq_id)
         self.bm.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -218,6 +260,8 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += n
                 self.bm.cache_computed_blocks(seq)
+                if seq.num_uncomputed <= 1:
+                    self.long_prefills.discard(seq.seq_id)
         for seq in batch.decodes:
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += 1
@@ -230,6 +274,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.bm.deallocate(seq)
+            self.long_prefills.discard(seq.seq_id)
         else:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -177,7 +177,7 @@ class EngineServer:
         self, prompt: Prompt, params: SamplingParams, rid: str
     ) -> AsyncIterator[RequestOutput]:
         tracker: RequestTracker = self.metrics.tracker()
-        agen = self.engine.generate(prompt.token_ids, params, rid)
+        agen = self.engine.generate(prompt.token_ids, params, rid, check=False)  # serve() checked it
         try:
             async for out in agen:
                 tracker.on_output(out)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
-from llmdeploy.engine.scheduler import chunk_within_cost
+from llmdeploy.engine.scheduler import chunk_cost, chunk_within_cost
 from llmdeploy.engine.sequence import SequenceStatus
 from tests.engine.sim import make_scheduler, run_all, seq, step
 
@@ -140,6 +140,99 @@ def test_continuing_chunks_shrink_with_context_while_others_wait():
     solo = seq(600)
     alone.add(solo)
     assert [n for _ in range(3) for s, n in step(alone).prefills] == [64, 64, 64]  # nobody waits: full budget
+
+
+def test_chunk_cost():
+    assert chunk_cost(100, 10, None) == 10
+    assert chunk_cost(100, 10, 50.0) == 10 * (1 + 105 / 50)
+    for ctx in (0, 300):  # chunk_within_cost is its inverse
+        n = chunk_within_cost(ctx, 96, 50.0)
+        assert chunk_cost(ctx, n, 50.0) <= 96 < chunk_cost(ctx, n + 1, 50.0)
+
+
+def long_prefill_scheduler(**kw):
+    """Budget 64: prompts over 32 tokens are long and their chunks cost at most 24 per step while others run."""
+    kw = dict(max_num_batched_tokens=64, num_blocks=1024, max_model_len=2048, max_num_seqs=32, **kw)
+    return make_scheduler(long_prefill_threshold=32, long_prefill_budget=24, **kw)
+
+
+def test_long_prompt_chunks_are_capped_while_others_run():
+    sched = long_prefill_scheduler(attn_cost_context=100.0)
+    other = seq(4, max_tokens=500, start=9000)
+    sched.add(other)
+    step(sched)
+    long = seq(300)
+    sched.add(long)
+    chunks = []
+    while long.num_uncomputed > 1:
+        batch = step(sched)
+        assert batch.decodes == [other]
+        for s, n in batch.prefills:
+            ctx = s.num_computed_tokens - n  # postprocess already counted the chunk
+            assert n == 1 or chunk_cost(ctx, n, 100.0) <= 24  # never more than the long budget
+            chunks.append(n)
+    assert chunks[0] == 21 and chunks[-1] < chunks[1]  # 21 fresh tokens cost 23.2; later ones attend to more
+    alone = long_prefill_scheduler(attn_cost_context=100.0)
+    solo = seq(300)
+    alone.add(solo)
+    assert [n for s, n in step(alone).prefills] == [64]  # nothing else in the engine: the whole budget
+
+
+def test_short_prompts_go_before_long_ones_and_their_step_carries_no_long_chunk():
+    sched = long_prefill_scheduler()
+    other = seq(4, max_tokens=500, start=9000)
+    sched.add(other)
+    step(sched)
+    long = seq(200)
+    sched.add(long)
+    for _ in range(5):
+        assert step(sched).prefills == [(long, 24)]
+    short = seq(30, start=500)  # more tokens left than the long prompt's next chunk, yet first
+    sched.add(short)
+    assert step(sched).prefills == [(short, 30)]  # its first token comes from a step without long work
+    assert step(sched).prefills == [(long, 24)]
+
+
+def test_a_long_prompt_stays_long_to_its_last_chunk():
+    """Its last chunks are as small as a short prompt but stay out of the short prompts' steps."""
+    sched = long_prefill_scheduler()
+    other = seq(4, max_tokens=500, start=9000)
+    sched.add(other)
+    step(sched)
+    long = seq(40)
+    sched.add(long)
+    assert step(sched).prefills == [(long, 24)]
+    short = seq(20, start=500)  # more tokens than the long prompt has left (16)
+    sched.add(short)
+    assert step(sched).prefills == [(short, 20)]
+    assert step(sched).prefills == [(long, 16)]
+
+
+def test_several_long_prompts_share_one_long_budget():
+    sched = long_prefill_scheduler()
+    other = seq(4, max_tokens=500, start=9000)
+    sched.add(other)
+    step(sched)
+    a, b = seq(100), seq(120, start=1000)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched).prefills == [(a, 24)]  # shortest first; the budget is spent
+    assert step(sched).prefills == [(a, 24)]
+
+
+def test_a_prefix_cache_hit_can_make_a_long_prompt_short():
+    sched = long_prefill_scheduler(block_size=4)
+    other = seq(4, max_tokens=500, start=9000)
+    sched.add(other)
+    step(sched)
+    first = seq(36, max_tokens=1, start=100)
+    sched.add(first)
+    while not first.is_finished:
+        step(sched)
+    again = seq(36, max_tokens=1, start=100)  # 32 of its 36 tokens are cached: 4 left to compute
+    sched.add(again)
+    assert step(sched).prefills == [(again, 4)]
+    assert again.seq_id not in sched.long_prefills
 
 
 def test_max_num_seqs_caps_the_batch():

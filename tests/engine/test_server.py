@@ -653,8 +653,8 @@ class FailsAfterFirstOutput:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    async def generate(self, *args):
-        async for out in self.engine.generate(*args):
+    async def generate(self, *args, **kwargs):
+        async for out in self.engine.generate(*args, **kwargs):
             yield out
             raise RequestFailedError("injected fault")
 

@@ -65,6 +65,8 @@ SHAPES = [  # (context lens, kv heads, gqa group, block size, shared blocks)
     ([1], 1, 8, 32, 0),
     ([64, 31, 32, 65], 1, 8, 32, 1),
     ([15, 2, 100], 4, 4, 16, 0),
+    # decode runs the two long contexts apart from the padded batch
+    ([20, 700, 31, 40, 300, 33], 2, 2, 16, 0),
 ]
 
 

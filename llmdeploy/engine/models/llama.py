@@ -25,6 +25,11 @@ STACKED = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# what the layers rotate q and k with: the whole cos/sin table (backends with their own rotary op) or this step's
+# (cos, sin) rows, built once per forward for all layers (the torch ops: ~10 fewer small ops per layer)
+Rope = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -55,15 +60,19 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, rope: Rope, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        h, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
+        q, k, v = qkv.split([h, hkv, hkv], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
+        if isinstance(rope, torch.Tensor):  # the backend's own rotary op over the whole cos/sin table
+            q, k = self.ops.rotary_embedding(positions, q, k, rope)
+        else:  # this step's tables; q's and k's heads are adjacent in qkv, so they rotate in one pass
+            qk = qkv[:, : h + hkv] if self.q_norm is None else torch.cat((q, k), dim=1)
+            qk = self.ops.apply_rotary(qk, *rope)
+            q, k = qk[:, :h], qk[:, h:]
         o = paged_attention(self.attn, q, k, v, meta)
         return self.o_proj(o.view(-1, self.q_size))
 
@@ -93,11 +102,11 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor,
-        cos_sin: torch.Tensor,
+        rope: Rope,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cos_sin, meta)
+        hidden = self.self_attn(positions, hidden, rope, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -115,10 +124,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        ops = self.layers[0].self_attn.ops
+        rope = ops.rotary_tables(positions, cos_sin) if hasattr(ops, "apply_rotary") else cos_sin
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)  # x + 0 == x: every layer then has the same (compilable) form
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, cos_sin, meta)
+            hidden, residual = layer(positions, hidden, residual, rope, meta)
         return self.norm(hidden, residual)[0]
 
 
