@@ -38,7 +38,8 @@ class ModelSpec(Section):
         "chat-model-v1", description="what clients send as `model`; anything else gets 404"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on CUDA, the measured faster one on CPU"
+        "auto",
+        description="auto: bfloat16 on CUDA; float32 on CPU, where bfloat16 is 1.4x faster but changes greedy output",
     )
     max_model_len: int = Field(2048, ge=16, description="longest prompt + completion in tokens")
 
