@@ -40,7 +40,8 @@ def _register_commands() -> None:
     first = [
         "cmd_spec",
         "cmd_deploy",
-    ]  # --help lists commands in the order of a user's day: validate, plan, apply...
+        "cmd_operate",
+    ]  # --help lists commands in the order of a user's day: validate, plan, apply..., canary, ..., down
     names = [i.name for i in pkgutil.iter_modules(cli_pkg.__path__) if i.name.startswith("cmd_")]
     for name in sorted(names, key=lambda n: (first.index(n) if n in first else len(first), n)):
         importlib.import_module(f"llmdeploy.cli.{name}").register(app)

@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from llmdeploy.control.controller import ApplyRequest, ControlError, Controller
+from llmdeploy.control.controller import ApplyRequest, Controller
+from llmdeploy.control.errors import ControlError
 
 log = logging.getLogger("llmdeploy.admin")
 

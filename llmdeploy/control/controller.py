@@ -1,4 +1,7 @@
-"""The control plane inside the daemon: applies specs, moves traffic between revisions, rolls back.
+"""The control plane inside the daemon: applies specs, starts and recovers revisions, follows their readiness.
+
+Moving traffic between revisions (canary, promote, rollback, the automatic rollback) lives in rollout.py; the
+Controller owns that Rollout and stays the one object the admin API and the daemon talk to.
 
 One asyncio lock serialises every operation (admin calls and the automatic rollback). The in-memory state
 (applied spec, stable/candidate revision, split) is written to state.db after each change, so a new daemon
@@ -9,32 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from llmdeploy.control import revisions as rv
 from llmdeploy.control.diff import diff_specs
-from llmdeploy.control.keys import referenced_env
+from llmdeploy.control.errors import ControlError
+from llmdeploy.control.keys import mirror_env, referenced_env
 from llmdeploy.control.listener import Listener, ListenError, open_router_listener, router_url
 from llmdeploy.control.paths import DeploymentPaths
+from llmdeploy.control.rollout import Rollout
 from llmdeploy.control.state import StateStore
 from llmdeploy.control.supervisor import Supervisor, is_our_engine, owner_tag, terminate, unsupported
-from llmdeploy.policies.rollback import RollbackDecision, judge_candidate
+from llmdeploy.policies.rollback import RollbackDecision
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
 from llmdeploy.spec.models import DeploymentSpec
 
 log = logging.getLogger("llmdeploy.control")
 DRAIN_S = 30.0
-
-
-class ControlError(Exception):
-    """An operation refused or failed; the message is shown to the user as is."""
-
-    def __init__(self, message: str, status: int = 409):
-        super().__init__(message)
-        self.message, self.status = message, status
 
 
 class ApplyRequest(BaseModel):
@@ -57,22 +53,22 @@ class Controller:
         self.key_hashes: dict[str, str] = {}
         self.router: Any = None
         self.listener: Listener | None = None
-        self.judgement: RollbackDecision | None = None
         self._reconcile_task: asyncio.Task | None = None
+        self.rollout = Rollout(self, DRAIN_S)
 
-    # ---- bookkeeping --------------------------------------------------------------------------------------
+    # ---- bookkeeping (the Rollout uses these too) ----------------------------------------------------------
 
     def event(self, kind: str, message: str, revision: int | None = None, data: dict | None = None) -> None:
         self.store.add_event(kind, message, revision, data)
         log.info("[%s]%s %s", kind, f" rev {revision}" if revision else "", message)
 
-    def _save(self) -> None:
+    def save(self) -> None:
         self.store.update_deployment(
             spec=rv.spec_dict(self.spec) if self.spec else None, stable=self.stable, candidate=self.candidate,
             candidate_percent=self.percent, key_hashes=self.key_hashes,
         )  # fmt: skip
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Swap the router's table: revisions, their share, and which engines are ready now."""
         shares = rv.split(self.stable, self.candidate, self.percent)
         routes = []
@@ -84,11 +80,11 @@ class Controller:
         self.table.swap(routes)
 
     def _engines_changed(self) -> None:
-        self._publish()  # at once: an unready engine must leave the table before the next request
+        self.publish()  # at once: an unready engine must leave the table before the next request
         if self._reconcile_task is None or self._reconcile_task.done():
             self._reconcile_task = asyncio.get_running_loop().create_task(self._reconcile())
 
-    def _state(self, rev: int) -> str:
+    def state_of(self, rev: int) -> str:
         r = self.store.revision(rev)
         return r.state if r else "unknown"
 
@@ -124,8 +120,8 @@ class Controller:
             )
         if self.candidate is not None and self.stable is None:
             self.stable, self.candidate, self.percent = self.candidate, None, 0.0
-        self._save()
-        self._publish()
+        self.save()
+        self.publish()
         try:
             await self._serve_router(self.spec)
         except ListenError as e:  # reported again by the apply that follows
@@ -152,7 +148,7 @@ class Controller:
         async with self.lock:
             if unsupported(new):
                 raise ControlError(unsupported(new), 400)
-            _set_env(req.env, referenced_env(new))
+            mirror_env(req.env, referenced_env(new))
             diff = diff_specs(self.spec, new)
             keys_changed = req.key_hashes != self.key_hashes
             needs_revision = diff.new_revision or self.stable is None
@@ -179,9 +175,9 @@ class Controller:
                 if self.router is not None and old is not None:
                     self._update_router(old)
                 raise ControlError(str(e)) from None
-            revision = self._start_revision(new, origin="apply") if needs_revision else None
-            self._save()
-            self._publish()
+            revision = self.start_revision(new, origin="apply") if needs_revision else None
+            self.save()
+            self.publish()
             self.event(
                 "apply", f"{diff.summary()}" + (f": revision {revision} starting" if revision else ""), revision,
                 {"changes": [c.path for c in diff.changes][:50]},
@@ -223,7 +219,7 @@ class Controller:
     async def _relisten(self, spec: DeploymentSpec) -> None:
         """listen/tls changed: open the new listener first (when the port differs), then drain the old one."""
         old = self.listener
-        same_port = old is not None and spec.listen_port == _listen_port(old)
+        same_port = old is not None and spec.listen_port == old.bound_port()
         if old is not None and same_port:
             await old.stop()
             self.listener = None
@@ -232,7 +228,7 @@ class Controller:
             await old.stop()
         self.event("relisten", f"router now listening on {router_url(spec)}")
 
-    def _start_revision(self, spec: DeploymentSpec, origin: str) -> int:
+    def start_revision(self, spec: DeploymentSpec, origin: str) -> int:
         rev = self.store.create_revision(rv.spec_dict(spec), rv.revision_hash(spec), rv.STARTING, origin)
         if self.stable is None:
             self.stable, self.candidate, self.percent = rev, None, 0.0
@@ -252,12 +248,12 @@ class Controller:
         async with self.lock:
             for rev in [r for r in (self.stable, self.candidate) if r is not None]:
                 phase = self.supervisor.revision_phase(rev)
-                state = self._state(rev)
+                state = self.state_of(rev)
                 if phase == "failed" and state in rv.LIVE_STATES:
                     await self._revision_failed(rev)
                 elif phase == "ready" and state == rv.STARTING:
                     self._revision_ready(rev)
-            self._publish()
+            self.publish()
 
     def _revision_ready(self, rev: int) -> None:
         spec = self.spec
@@ -270,13 +266,13 @@ class Controller:
         origin = self.store.revision(rev).origin  # type: ignore[union-attr]
         if origin.startswith("rollback") or spec.rollout.canary_percent >= 100:
             self.store.set_revision_state(rev, rv.READY)
-            self._promote(
+            self.rollout.promote_candidate(
                 reason="rollback" if origin.startswith("rollback") else "rollout.canary_percent is 100"
             )
             return
         self.percent = spec.rollout.canary_percent
         self.store.set_revision_state(rev, rv.SERVING if self.percent > 0 else rv.READY)
-        self._save()
+        self.save()
         self.event("ready", f"candidate revision {rev} is ready; it takes {self.percent:g}% of traffic", rev)
 
     async def _revision_failed(self, rev: int) -> None:
@@ -286,145 +282,30 @@ class Controller:
             self.candidate, self.percent = None, 0.0
         elif rev == self.stable:
             self.stable = None
-        self._save()
-        self._publish()
+        self.save()
+        self.publish()
         self.event("failed", f"revision {rev} failed to start: {reason}", rev)
         await self.supervisor.stop_revision(rev, 5.0)
         if self.candidate is not None and self.stable is None:
             self.stable, self.candidate = self.candidate, None
-            self._save()
+            self.save()
 
-    # ---- traffic ------------------------------------------------------------------------------------------
-
-    def _candidate_ready(self, verb: str) -> int:
-        if self.candidate is None:
-            raise ControlError(
-                f"cannot {verb}: there is no candidate revision (stable is {self.stable}). Apply a spec that "
-                "changes model, engine or parallel to start one."
-            )
-        state = self._state(self.candidate)
-        if state == rv.STARTING or self.supervisor.revision_phase(self.candidate) != "ready":
-            phases = ", ".join(
-                f"{r.name}: {r.phase}" for r in self.supervisor.replicas.get(self.candidate, [])
-            )
-            raise ControlError(
-                f"cannot {verb}: candidate revision {self.candidate} is not ready yet ({phases}); "
-                "watch it with `llmdeploy status`"
-            )
-        return self.candidate
+    # ---- traffic (rollout.py) ---------------------------------------------------------------------------------
+    # the admin API and the daemon talk to the Controller alone; the Rollout works on its state under its lock
 
     async def canary(self, percent: float) -> dict[str, Any]:
-        if not 0 <= percent <= 100:
-            raise ControlError("--percent must be between 0 and 100", 400)
-        async with self.lock:
-            rev = self._candidate_ready("set a canary share")
-            if percent >= 100:
-                return self._promote(reason="canary --percent 100")
-            old, self.percent = self.percent, float(percent)
-            self.store.set_revision_state(rev, rv.SERVING if percent > 0 else rv.READY)
-            self._save()
-            self._publish()
-            self.event(
-                "canary",
-                f"candidate {rev}: {old:g}% -> {percent:g}% (stable {self.stable}: {100 - percent:g}%)",
-                rev,
-            )
-            return {"result": "canary", "candidate": rev, "percent": percent, "stable": self.stable}
+        return await self.rollout.canary(percent)
 
     async def promote(self) -> dict[str, Any]:
-        async with self.lock:
-            self._candidate_ready("promote")
-            return self._promote(reason="promote")
-
-    def _promote(self, reason: str) -> dict[str, Any]:
-        rev, old = self.candidate, self.stable
-        assert rev is not None
-        self.stable, self.candidate, self.percent = rev, None, 0.0
-        self.store.set_revision_state(rev, rv.SERVING)
-        self.store.mark_served(rev)
-        if old is not None:
-            undone = self.store.revision(rev).origin.startswith("rollback")  # type: ignore[union-attr]
-            self.store.set_revision_state(
-                old,
-                rv.ROLLED_BACK if undone else rv.RETIRED,
-                f"undone by revision {rev}" if undone else f"replaced by revision {rev}",
-            )
-        self._save()
-        self._publish()  # the old revision leaves the table before its engines get SIGTERM
-        if old is not None:
-            asyncio.get_running_loop().create_task(self.supervisor.stop_revision(old, DRAIN_S))
-        self.event(
-            "promote", f"revision {rev} takes 100% ({reason}); revision {old} stops", rev, {"previous": old}
-        )
-        return {"result": "promoted", "stable": rev, "retired": old}
+        return await self.rollout.promote()
 
     async def rollback(
         self, to_revision: int | None = None, decision: RollbackDecision | None = None
     ) -> dict[str, Any]:
-        async with self.lock:
-            if decision is not None and self.candidate is None:
-                return {"result": "nothing to roll back"}
-            if self.candidate is not None and to_revision in (None, self.stable):
-                return await self._abort_candidate(decision)
-            if self.candidate is not None:
-                await self._abort_candidate(None)
-            return self._undo(to_revision)
-
-    async def _abort_candidate(self, decision: RollbackDecision | None) -> dict[str, Any]:
-        rev, stable = self.candidate, self.stable
-        assert rev is not None and self.spec is not None
-        reason = f"automatic: {decision.reason}" if decision else "rollback by hand"
-        self.candidate, self.percent = None, 0.0
-        self._publish()  # stable takes 100% before the candidate's engines stop
-        self.store.set_revision_state(rev, rv.ROLLED_BACK, reason)
-        stable_row = self.store.revision(stable) if stable else None
-        if stable_row:
-            self.spec = rv.with_revision_of(self.spec, stable_row.spec)
-        self._save()
-        kind = "auto-rollback" if decision else "rollback"
-        data = decision.numbers() if decision else {}
-        self.event(kind, f"candidate {rev} rolled back, stable {stable} takes 100%: {reason}", rev, data)
-        await self.supervisor.stop_revision(rev, DRAIN_S)
-        return {"result": "rolled back", "rolled_back": rev, "stable": stable, "reason": reason}
-
-    def _undo(self, to_revision: int | None) -> dict[str, Any]:
-        """No canary: re-deploy an earlier revision's spec as a new revision (kubectl rollout undo)."""
-        assert self.spec is not None
-        try:
-            target = rv.undo_target(self.store.revisions(), self.stable, to_revision)
-        except rv.NoRollbackTarget as e:
-            raise ControlError(str(e), 400 if e.bad_input else 409) from None
-        self.spec = rv.with_revision_of(self.spec, target.spec)
-        rev = self._start_revision(self.spec, origin=f"rollback to {target.id}")
-        self._save()
-        self._publish()
-        self.event("rollback", f"re-deploying revision {target.id} as revision {rev}; it takes 100% once ready", rev,
-                   {"to_revision": target.id, "from_revision": self.stable})  # fmt: skip
-        return {"result": "rolling back", "revision": rev, "to_revision": target.id, "stable": self.stable}
-
-    # ---- automatic rollback ----------------------------------------------------------------------------------
+        return await self.rollout.rollback(to_revision, decision)
 
     async def watch_candidate(self, period_s: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await self._judge_once()
-            except Exception:
-                log.exception("auto-rollback check failed")
-
-    async def _judge_once(self) -> None:
-        rev, spec = self.candidate, self.spec
-        if (
-            rev is None
-            or spec is None
-            or self.router is None
-            or self._state(rev) not in (rv.READY, rv.SERVING)
-        ):
-            self.judgement = None
-            return
-        self.judgement = judge_candidate(self.router.revision_window(rev), spec.rollout.auto_rollback)
-        if self.judgement.rollback and rev == self.candidate:
-            await self.rollback(decision=self.judgement)
+        await self.rollout.watch(period_s)
 
     # ---- status and shutdown ----------------------------------------------------------------------------------
 
@@ -446,22 +327,5 @@ class Controller:
             await self.supervisor.detach()
 
 
-def _set_env(values: dict[str, str | None], allowed: list[str]) -> None:
-    # the router reads keys from the environment: mirror the caller's, so a hot reload sees what apply saw
-    for name in allowed:
-        value = values.get(name)
-        if value:
-            os.environ[name] = value
-        else:
-            os.environ.pop(name, None)
-
-
 def _set_log_level(spec: DeploymentSpec) -> None:
     logging.getLogger("llmdeploy").setLevel(spec.logging.level.upper())
-
-
-def _listen_port(listener: Listener) -> int | None:
-    try:
-        return listener.sock.getsockname()[1]
-    except OSError:
-        return None

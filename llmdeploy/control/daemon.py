@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmdeploy.control.admin import create_admin_app
-from llmdeploy.control.controller import ApplyRequest, ControlError, Controller
+from llmdeploy.control.controller import ApplyRequest, Controller
+from llmdeploy.control.errors import ControlError
 from llmdeploy.control.listener import open_admin_listener
 from llmdeploy.control.paths import DeploymentPaths, home
 from llmdeploy.control.state import StateStore

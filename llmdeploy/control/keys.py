@@ -8,6 +8,7 @@ and daemon restarts until its variable is set, so a client configured once keeps
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,3 +54,16 @@ def referenced_env(spec: DeploymentSpec) -> list[str]:
     if spec.cloud.api_key_env:
         names.append(spec.cloud.api_key_env)
     return names
+
+
+def mirror_env(values: Mapping[str, str | None], names: list[str]) -> None:
+    """Copy the caller's values of `names` into the daemon's environment (unset or empty: removed).
+
+    The router reads keys from the environment, so a later hot reload must see what this apply saw.
+    """
+    for name in names:
+        value = values.get(name)
+        if value:
+            os.environ[name] = value
+        else:
+            os.environ.pop(name, None)

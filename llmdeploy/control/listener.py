@@ -53,6 +53,12 @@ class Listener:
             await self.task
         self.task = None
 
+    def bound_port(self) -> int | None:
+        try:
+            return self.sock.getsockname()[1]
+        except OSError:  # the socket is closed (the server stopped): no port to compare with
+            return None
+
 
 def tcp_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

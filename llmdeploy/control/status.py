@@ -53,7 +53,7 @@ async def daemon_status(c: Controller) -> dict[str, Any]:
         except Exception:  # status must answer even if the router's bookkeeping is off
             log.exception("router snapshot failed")
     phases = {rev: c.supervisor.revision_phase(rev) for rev in c.supervisor.replicas}
-    d = c.judgement
+    d = c.rollout.judgement
     return {
         "name": c.paths.name,
         "daemon": {"pid": os.getpid(), "running": True, "time": time.time()},

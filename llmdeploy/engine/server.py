@@ -4,29 +4,32 @@ Every request is checked in full (JSON, alias, fields, engine.check_request) bef
 so a bad request is a 400 at once and never stalls the loop. Streams commit at the first engine output:
 failures before it are plain HTTP errors, after it an error event ends the stream (never a fake `stop`).
 A client that goes away, streaming or not, aborts its request, which frees its KV blocks at once.
+The HTTP plumbing this leans on (request ids, body limits, disconnect watching, the draining uvicorn) is in
+asgi.py, so this file is only the path from an OpenAI request to the engine and back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import re
-import signal
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmdeploy.engine.asgi import (
+    ClientGone,
+    DrainingServer,
+    RequestIdMiddleware,
+    read_object,
+    unless_disconnected,
+)
 from llmdeploy.engine.chat import chat_prompt_ids
 from llmdeploy.engine.metrics import RequestTracker, ServerMetrics
 from llmdeploy.engine.outputs import RequestOutput
@@ -44,14 +47,7 @@ from llmdeploy.engine.serving import (
     sampling_params,
     validate,
 )
-from llmdeploy.openai_api.errors import (
-    OpenAIError,
-    install_error_handlers,
-    invalid_json,
-    invalid_request,
-    model_not_found,
-    payload_too_large,
-)
+from llmdeploy.openai_api.errors import OpenAIError, install_error_handlers, invalid_request, model_not_found
 from llmdeploy.openai_api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,77 +57,9 @@ from llmdeploy.openai_api.schemas import (
 from llmdeploy.openai_api.sse import DONE, MEDIA_TYPE, STREAM_HEADERS, sse_data, sse_error_end
 
 log = logging.getLogger("llmdeploy.engine.server")
-T = TypeVar("T")
-MAX_BODY_BYTES = 32 * 1024 * 1024
-CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-# ---- request id -------------------------------------------------------------------------------------------
-
-
-class RequestIdMiddleware:
-    """Pure ASGI (BaseHTTPMiddleware would break streaming disconnects): echo a sane client id or make one."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-# ---- parsing and errors -----------------------------------------------------------------------------------
-
-
-async def read_object(request: Request) -> dict[str, Any]:
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise payload_too_large(MAX_BODY_BYTES)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise payload_too_large(MAX_BODY_BYTES)
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise invalid_json(str(exc)) from None
-    if not isinstance(body, dict):
-        raise invalid_request("The request body must be a JSON object.", code="invalid_body")
-    return body
-
-
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+# ---- one request ------------------------------------------------------------------------------------------
 
 
 def aborted(out: RequestOutput) -> bool:
@@ -417,28 +345,6 @@ def create_app(
 
 
 # ---- running it -------------------------------------------------------------------------------------------
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn drains on SIGTERM/SIGINT (stop accepting, finish in-flight up to timeout_graceful_shutdown), then
-    re-raises the signal, which would make a clean drain exit with -15; a drained server exits 0 instead."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            log.info("listening on http://%s:%d", self.config.host, self.config.port)
 
 
 def run_server(

@@ -144,9 +144,11 @@ class AuthSpec(Section):
 
 class ParallelSpec(Section):
     replicas: int = Field(1, ge=1, description="data-parallel engine copies")
-    tensor_parallel: int = Field(1, ge=1, description="ranks per replica (gloo on CPU, NCCL on CUDA)")
+    tensor_parallel: int = Field(
+        1, ge=1, description="ranks per replica; only 1 runs in this release (validate warns, apply refuses)"
+    )
     backend: Literal["local", "ray"] = Field(
-        "local", description="local processes, or ray (replicas on a Ray cluster)"
+        "local", description="local processes; ray (replicas on a Ray cluster) is not supported yet"
     )
     ray_address: str | None = Field(None, description="e.g. ray://head:10001 when backend is ray")
 
