@@ -1,6 +1,6 @@
 """Mixed-load TTFT: do long prompts starve short ones? (issue 3, performance)
 
-    python bench/mixed_ttft.py [--dtype auto] [--max-num-batched-tokens 256] [--interval 0.5] [--json out.json]
+    python bench/mixed_ttft.py [--dtype auto] [--max-num-batched-tokens 2048] [--interval 0.5] [--json out.json]
 
 32 requests arrive one every --interval seconds; 4 of them (positions 2, 9, 16, 23) have 1,500-token prompts,
 the other 28 have 128-token prompts; every request generates 32 tokens (greedy, EOS ignored). At 0.5 s the
@@ -98,7 +98,7 @@ async def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)  # the engine's default
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -27,7 +27,7 @@ from llmdeploy.engine.outputs import (
 )
 from llmdeploy.engine.sampler import Sampler
 from llmdeploy.engine.sampling_params import SamplingParams
-from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
+from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler, long_prefill_limits
 from llmdeploy.engine.sequence import Sequence
 
 log = logging.getLogger("llmdeploy.engine")
@@ -55,18 +55,16 @@ class LLMEngine:
         self.tokenizer, self.arch = self.runner.loaded.tokenizer, self.runner.arch
         self.eos_token_ids = set(self.arch.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
+        long = long_prefill_limits(config.max_num_batched_tokens, self.runner.rates.prefill_s_per_token)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.runner.max_model_len,
             attn_cost_context=self.runner.attn_cost_context,
-            # prompts over half the budget are long; their chunks take at most 3/8 of it per step while others are
-            # in the engine, so a short prompt waits for less than its own prefill before it runs (see the
-            # scheduler's doc). Measured with bench/mixed_ttft.py (budget 256): 1/2 gave short p99 TTFT 2.1-3.5x
-            # their TTFT alone, 3/8 1.9-2.5x, 1/4 1.8-2.3x but long prompts' TTFT up to 5.4 s instead of 3.5 s.
-            long_prefill_threshold=max(1, config.max_num_batched_tokens // 2),
-            long_prefill_budget=max(1, 3 * config.max_num_batched_tokens // 8),
+            long_prefill_threshold=long.threshold,
+            long_prefill_budget=long.budget,
+            long_prefill_budget_alone=long.budget_alone,
         )
         self.sampler = Sampler(config.seed, self.runner.device)
         self.rates = RateMeter(self.runner.rates.prefill_s_per_token, self.runner.rates.decode_step_s)

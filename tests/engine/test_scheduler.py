@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
-from llmdeploy.engine.scheduler import chunk_cost, chunk_within_cost
+from llmdeploy.engine.scheduler import LongPrefillLimits, chunk_cost, chunk_within_cost, long_prefill_limits
 from llmdeploy.engine.sequence import SequenceStatus
 from tests.engine.sim import make_scheduler, run_all, seq, step
 
@@ -233,6 +233,30 @@ def test_a_prefix_cache_hit_can_make_a_long_prompt_short():
     sched.add(again)
     assert step(sched).prefills == [(again, 4)]
     assert again.seq_id not in sched.long_prefills
+
+
+def test_long_prefill_limits_follow_the_budget_on_fast_devices_and_time_on_slow_ones():
+    fast = long_prefill_limits(2048, prefill_s_per_token=1e-6)  # a GPU: 0.1 s is 100k tokens
+    assert fast == LongPrefillLimits(threshold=1024, budget=768, budget_alone=2048)
+    slow = long_prefill_limits(2048, prefill_s_per_token=0.1 / 130)  # the 2-core CPU: 130 tokens in 0.1 s
+    assert slow == LongPrefillLimits(threshold=260, budget=130, budget_alone=130)
+    assert long_prefill_limits(256, 0.1 / 130) == LongPrefillLimits(
+        threshold=128, budget=96, budget_alone=130
+    )
+
+
+def test_a_lone_long_prompt_is_capped_by_the_alone_budget():
+    """Nothing else in the engine, yet a short request may arrive mid-step: the step stays short."""
+    sched = long_prefill_scheduler(long_prefill_budget_alone=40)
+    long = seq(300)
+    sched.add(long)
+    assert [n for s, n in step(sched).prefills] == [40]
+    short = seq(10, start=500)
+    sched.add(short)
+    assert step(sched).prefills == [(short, 10)]  # first, in a step without long work
+    assert step(sched).prefills == [
+        (long, 24)
+    ]  # others in the engine now (short decodes): the crowded budget
 
 
 def test_max_num_seqs_caps_the_batch():
