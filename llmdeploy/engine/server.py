@@ -48,6 +48,7 @@ from llmdeploy.engine.serving import (
     validate,
 )
 from llmdeploy.openai_api.errors import OpenAIError, install_error_handlers, invalid_request, model_not_found
+from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
 from llmdeploy.openai_api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -68,6 +69,15 @@ def aborted(out: RequestOutput) -> bool:
 
 def aborted_error() -> OpenAIError:
     return OpenAIError(503, "The request was aborted by the engine (shutting down?).", code="aborted")
+
+
+def ttft_header(finals: list[RequestOutput]) -> dict[str, str]:
+    ttfts = [
+        f.metrics.first_token_time - f.metrics.arrival_time
+        for f in finals
+        if f.metrics.first_token_time is not None
+    ]
+    return {ENGINE_TTFT_HEADER: f"{max(ttfts) * 1000:.1f}"} if ttfts else {}
 
 
 @dataclass
@@ -170,7 +180,7 @@ class EngineServer:
             if not job.stream:
                 finals = await unless_disconnected(job.request, self.collect(events, len(job.prompts)))
                 self.log_done(job, finals)
-                return JSONResponse(job.fmt.response(finals))
+                return JSONResponse(job.fmt.response(finals), headers=ttft_header(finals))
             first = await unless_disconnected(job.request, anext(events))
         except ClientGone:
             log.info("request %s: client disconnected before the response; aborted", job.rid)

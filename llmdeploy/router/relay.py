@@ -20,6 +20,7 @@ import httpx
 from starlette.responses import StreamingResponse
 
 from llmdeploy.openai_api.errors import OpenAIError
+from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
 from llmdeploy.router.localhttp import LocalHTTP
 from llmdeploy.router.normalize import (
     UpstreamFailure,
@@ -109,6 +110,15 @@ def _bad_answer(backend: str, what: str) -> UpstreamFailure:
 
 
 # ---- non-stream -------------------------------------------------------------------------------------------
+def engine_first_token_at(headers: Any, started: float) -> float | None:
+    """When the first token came, from our engines' TTFT header (the hop to the engine, well under a millisecond
+    on loopback, is not counted); None for answers without it (the cloud's)."""
+    try:
+        return started + float(headers.get(ENGINE_TTFT_HEADER)) / 1000
+    except (TypeError, ValueError):
+        return None
+
+
 async def fetch_json(a: Attempt, ex: Exchange) -> dict[str, Any]:
     """The whole answer of a non-stream request, checked for error bodies, with the model set to the alias."""
     resp = await _open(a)
@@ -127,6 +137,8 @@ async def fetch_json(a: Attempt, ex: Exchange) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
         raise _bad_answer(a.backend, "an answer without choices")
     data["model"] = ex.alias
+    if a.backend == "local":  # only our own engines' word is taken for it
+        ex.first_token_at = engine_first_token_at(resp.headers, ex.started)
     usage = data.get("usage") or {}
     ex.prompt_tokens, ex.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if ex.keep_text:

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
 from tests.helpers.procs import ServerProcess, free_port
 from tests.router.conftest import ALIAS, CLIENT_KEY, cloud_url, make_spec, wait_until
 
@@ -90,6 +91,24 @@ def test_openai_sdk_against_router_and_real_engine(fakes, start_router, real_eng
     comp = api.completions.create(model=ALIAS, prompt="The quick brown", max_tokens=5, temperature=0)
     assert comp.choices[0].text and comp.model == ALIAS
     assert cloud.stats()["requests"] == 0
+
+
+def test_non_stream_ttft_reaches_the_window_from_the_engine(fakes, start_router, real_engine):
+    """A non-stream client never sees the first token, yet the canary's TTFT window needs it: the engine says."""
+    cloud, _ = fakes
+    body = {"model": ALIAS, "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    direct = httpx.post(f"{real_engine}/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == 200 and float(direct.headers[ENGINE_TTFT_HEADER]) > 0
+    rs = start_router(make_spec(cloud_url(cloud)), [real_engine])
+    r = httpx.post(
+        f"{rs.url}/v1/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {CLIENT_KEY}"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["x-llmdeploy-backend"] == "local"
+    w = rs.router.revision_window(1)
+    assert w.requests == 1 and w.ttft_p99_ms is not None and 0 < w.ttft_p99_ms < 60_000
 
 
 def abort_count(url: str) -> float:
