@@ -75,8 +75,12 @@ class Controller:
         for rev, role in ((self.stable, "stable"), (self.candidate, "candidate")):
             if rev is None:
                 continue
-            engines = [EngineEndpoint(r.url, r.name, r.ready) for r in self.supervisor.replicas.get(rev, [])]
-            routes.append(RevisionRoute(rev, role, shares[rev], engines))
+            replicas = self.supervisor.replicas.get(rev, [])
+            engines = [EngineEndpoint(r.url, r.name, r.ready) for r in replicas]
+            alias = (
+                replicas[0].spec.model.served_alias if replicas else None
+            )  # a revision may rename the model
+            routes.append(RevisionRoute(rev, role, shares[rev], engines, alias))
         self.table.swap(routes)
 
     def _engines_changed(self) -> None:
@@ -152,7 +156,6 @@ class Controller:
             diff = diff_specs(self.spec, new)
             keys_changed = req.key_hashes != self.key_hashes
             needs_revision = diff.new_revision or self.stable is None
-            self._refuse_alias_change(new)
             if needs_revision and not diff.created and not req.force:
                 self._refuse_rolled_back(new)
             if diff.unchanged and not keys_changed and not needs_revision:
@@ -186,18 +189,6 @@ class Controller:
 
     def _apply_result(self, summary: str, diff: Any, revision: int | None = None) -> dict[str, Any]:
         return {"result": summary, "revision": revision, "diff": diff.to_json(), "stable": self.stable}
-
-    def _refuse_alias_change(self, new: DeploymentSpec) -> None:
-        # engines answer only their own alias and the router forwards the client's name unchanged, so two
-        # revisions with different aliases cannot share traffic: one side would answer 404
-        stable = self.store.revision(self.stable) if self.stable else None
-        old = stable.spec["model"]["served_alias"] if stable else None
-        if old is not None and new.model.served_alias != old:
-            raise ControlError(
-                f"model.served_alias cannot change from {old!r} to {new.model.served_alias!r} in a gray release: "
-                f"revision {stable.id} answers only {old!r}. Keep the alias, or serve the new one as its own "
-                "deployment (another name and listen address)."
-            )
 
     def _refuse_rolled_back(self, new: DeploymentSpec) -> None:
         h = rv.revision_hash(new)

@@ -217,8 +217,12 @@ class Router:
             s.keys.authenticate(request.headers)
         except OpenAIError as e:
             return e.response()
-        model = {"id": s.alias, "object": "model", "created": int(self.started_at), "owned_by": "llmdeploy"}
-        return JSONResponse({"object": "list", "data": [model]})
+        created = int(self.started_at)
+        models = [
+            {"id": a, "object": "model", "created": created, "owned_by": "llmdeploy"}
+            for a in self.table.aliases(s.alias)
+        ]
+        return JSONResponse({"object": "list", "data": models})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, "chat/completions")
@@ -242,7 +246,7 @@ class Router:
             key = s.keys.authenticate(request.headers)
             call.rec.key = key.name
             data = rq.parse_json(await rq.read_body(request, s.max_body))
-            rq.check_alias(data, s.alias)
+            call.ex.alias = rq.check_alias(data, self.table.aliases(s.alias))
             req = rq.validate(data, endpoint)
             wait = self.limiter.check(key.name, time.monotonic())
             if wait is not None:

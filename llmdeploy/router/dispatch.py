@@ -32,10 +32,12 @@ class Call:
     finished: bool = False
 
 
-def upstream_payload(call: Call, cloud_model: str | None) -> bytes:
+def upstream_payload(call: Call, model: str | None) -> bytes:
+    """The body the backend gets: `model` is the cloud's model, or the name the chosen revision's engines answer
+    (a gray release may rename the model); None leaves the client's."""
     body = call.body
-    if cloud_model:
-        body = {**body, "model": cloud_model}
+    if model and body.get("model") != model:
+        body = {**body, "model": model}
     if call.stream and not call.ex.client_wants_usage:
         # ask for usage anyway (the cost view); the relay drops it from what the client sees
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
@@ -107,7 +109,7 @@ class Dispatcher:
             self.r.pool.client,
             f"{url}/v1/{call.endpoint}",
             {"x-request-id": call.request_id},
-            upstream_payload(call, None),
+            upstream_payload(call, self.r.table.alias_of(target.replica.revision, s.alias)),
         )
 
     async def _once(self, a: Attempt, call: Call):

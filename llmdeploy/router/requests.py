@@ -66,10 +66,14 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def check_alias(data: dict[str, Any], alias: str) -> None:
+def check_alias(data: dict[str, Any], aliases: list[str]) -> str:
+    """The served name the request asks for (the first one when it names none); 404 for any other."""
     model = data.get("model")
-    if isinstance(model, str) and model != alias:
+    if not isinstance(model, str):
+        return aliases[0]
+    if model not in aliases:
         raise model_not_found(model[:128])
+    return model
 
 
 def validate(data: dict[str, Any], endpoint: str) -> ChatCompletionRequest | CompletionRequest:

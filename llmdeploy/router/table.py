@@ -23,6 +23,7 @@ class RevisionRoute:
     role: Literal["stable", "candidate"] = "stable"
     percent: float = 100.0
     engines: list[EngineEndpoint] = field(default_factory=list)
+    alias: str | None = None  # the model name its engines answer; None: the router's served alias
 
 
 class RoutingTable:
@@ -40,6 +41,16 @@ class RoutingTable:
 
     def engines(self) -> list[tuple[int, EngineEndpoint]]:
         return [(r.revision, e) for r in self._revisions for e in r.engines]
+
+    def aliases(self, default: str) -> list[str]:
+        """The names clients may send as `model`: every listed revision's (the stable one's first). During a gray
+        release that renames the model both names work, each served by whichever revision the split picks."""
+        names = [r.alias or default for r in sorted(self._revisions, key=lambda r: r.role != "stable")]
+        return list(dict.fromkeys(names)) or [default]
+
+    def alias_of(self, revision: int | None, default: str) -> str:
+        route = next((r for r in self._revisions if r.revision == revision), None)
+        return (route.alias if route else None) or default
 
     def stable_revision(self) -> int | None:
         stable = next((r for r in self._revisions if r.role == "stable"), None)

@@ -149,14 +149,6 @@ def test_dry_run_shows_the_diff_and_changes_nothing(rig):
     assert [x["id"] for x in rig["cli"].status(NAME)["revisions"]] == [1]
 
 
-def test_an_alias_change_is_refused_while_a_revision_serves(rig, tmp_path):
-    spec = yaml.safe_load(rig["files"]["v1b"].read_text())
-    spec["model"]["served_alias"] = "renamed"
-    r = rig["cli"].run("apply", str(write_spec(tmp_path / "renamed.yaml", spec)))
-    assert r.returncode == 1 and "model.served_alias cannot change from 'tiny' to 'renamed'" in r.stderr
-    assert [x["id"] for x in rig["cli"].status(NAME)["revisions"]] == [1]
-
-
 def test_engine_change_starts_revision_2_at_zero_percent(rig):
     r = rig["cli"].ok("apply", str(rig["files"]["v2"]))
     assert "new revision" in r.stdout and "revision 2 r1: ready" in r.stdout
