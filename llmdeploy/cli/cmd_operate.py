@@ -35,7 +35,7 @@ def canary(
     """Give the candidate revision N% of traffic (sticky per session); refused unless a candidate is ready."""
     r = admin_call(name, lambda c: c.canary(percent))
     if r["result"] == "promoted":
-        plain(f"revision {r['stable']} promoted to 100%; revision {r['retired']} stopped")
+        _say_promoted(r)
     else:
         plain(
             f"candidate revision {r['candidate']}: {r['percent']:g}%, stable revision {r['stable']}: {100 - r['percent']:g}%"
@@ -44,7 +44,10 @@ def canary(
 
 def promote(name: str | None = NAME_OPT) -> None:
     """Make the ready candidate the stable revision (100%) and stop the old one."""
-    r = admin_call(name, lambda c: c.promote())
+    _say_promoted(admin_call(name, lambda c: c.promote()))
+
+
+def _say_promoted(r: dict) -> None:
     plain(f"revision {r['stable']} promoted to 100%; revision {r['retired']} stopped")
 
 

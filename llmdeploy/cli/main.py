@@ -37,11 +37,8 @@ def _register_commands() -> None:
     import llmdeploy.cli as cli_pkg
 
     # each llmdeploy/cli/cmd_*.py exposes register(app); keeps main.py free of command logic
-    first = [
-        "cmd_spec",
-        "cmd_deploy",
-        "cmd_operate",
-    ]  # --help lists commands in the order of a user's day: validate, plan, apply..., canary, ..., down
+    # --help lists commands in the order of a user's day: validate, plan, apply..., canary, ..., down
+    first = ["cmd_spec", "cmd_deploy", "cmd_operate"]
     names = [i.name for i in pkgutil.iter_modules(cli_pkg.__path__) if i.name.startswith("cmd_")]
     for name in sorted(names, key=lambda n: (first.index(n) if n in first else len(first), n)):
         importlib.import_module(f"llmdeploy.cli.{name}").register(app)

@@ -77,9 +77,8 @@ class Controller:
                 continue
             replicas = self.supervisor.replicas.get(rev, [])
             engines = [EngineEndpoint(r.url, r.name, r.ready) for r in replicas]
-            alias = (
-                replicas[0].spec.model.served_alias if replicas else None
-            )  # a revision may rename the model
+            # the name this revision's engines answer: a revision may rename the model
+            alias = replicas[0].spec.model.served_alias if replicas else None
             routes.append(RevisionRoute(rev, role, shares[rev], engines, alias))
         self.table.swap(routes)
 
@@ -150,8 +149,8 @@ class Controller:
     async def apply(self, req: ApplyRequest) -> dict[str, Any]:
         new = DeploymentSpec.model_validate(req.spec)
         async with self.lock:
-            if unsupported(new):
-                raise ControlError(unsupported(new), 400)
+            if refusal := unsupported(new):
+                raise ControlError(refusal, 400)
             mirror_env(req.env, referenced_env(new))
             diff = diff_specs(self.spec, new)
             keys_changed = req.key_hashes != self.key_hashes

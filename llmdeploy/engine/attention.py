@@ -38,12 +38,8 @@ class PagedAttention(nn.Module):
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch"
     ):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            scale,
-        )
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
         self.ops = get_ops(backend)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)

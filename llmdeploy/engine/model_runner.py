@@ -42,12 +42,10 @@ def release_openmp_workers() -> bool:
     libgomp in this process (another OpenMP runtime, or none)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
-        for path in paths:
-            return ctypes.CDLL(path).omp_pause_resource_all(1) == 0  # 1 = omp_pause_soft
+            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+        return path is not None and ctypes.CDLL(path).omp_pause_resource_all(1) == 0  # 1 = omp_pause_soft
     except (OSError, AttributeError):
-        pass
-    return False
+        return False
 
 
 @dataclass

@@ -260,7 +260,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> None:
         self.bm.allocate(seq)
-        if self.long_prefill_threshold is not None and seq.num_uncomputed > self.long_prefill_threshold:
+        if self._is_long(seq):  # still WAITING: judged on what the prefix cache left to compute
             self.long_prefills.add(seq.seq_id)
         seq.admitted_once = True
         seq.status = SequenceStatus.RUNNING

@@ -74,8 +74,14 @@ def paged_attention_decode(
             )
     if rest:
         idx = torch.tensor(rest, device=query.device)
-        out[idx] = paged_attention_decode(
-            query[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale
+        out[idx] = padded_decode(
+            query[idx],
+            k_cache,
+            v_cache,
+            block_tables[idx],
+            context_lens[idx],
+            scale,
+            max(lens[i] for i in rest),
         )
     return out
 
@@ -112,10 +118,9 @@ def decode_one_sequence(
     """paged_attention_decode of a single sequence: nothing to pad or mask, and two batched matmuls with a softmax
     in float32 cost about half of SDPA's CPU kernel with its mask at this size (batch-1 decode, per layer)."""
     _, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    ids = block_tables[0, : -(-context_len // block_size)]
-    k = k_cache.view(num_blocks, -1).index_select(0, ids).view(-1, num_kv_heads, head_dim)[:context_len]
-    v = v_cache.view(num_blocks, -1).index_select(0, ids).view(-1, num_kv_heads, head_dim)[:context_len]
+    num_kv_heads = k_cache.shape[2]
+    k = gather_kv(k_cache, block_tables[:1], context_len)[0]  # [L, Hkv, D]
+    v = gather_kv(v_cache, block_tables[:1], context_len)[0]
     q = query.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim)  # GQA: a kv head's query rows
     if not q.dtype == k.dtype == torch.float32:  # float32 math whatever the cache holds
         q, k, v = q.float(), k.float(), v.float()

@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from llmdeploy.openai_api.errors import OpenAIError
 from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
+from llmdeploy.policies.route import LOCAL
 from llmdeploy.router.localhttp import LocalHTTP
 from llmdeploy.router.normalize import (
     UpstreamFailure,
@@ -137,7 +138,7 @@ async def fetch_json(a: Attempt, ex: Exchange) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
         raise _bad_answer(a.backend, "an answer without choices")
     data["model"] = ex.alias
-    if a.backend == "local":  # only our own engines' word is taken for it
+    if a.backend == LOCAL:  # only our own engines' word is taken for it
         ex.first_token_at = engine_first_token_at(resp.headers, ex.started)
     usage = data.get("usage") or {}
     ex.prompt_tokens, ex.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")

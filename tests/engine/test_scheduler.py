@@ -156,11 +156,17 @@ def long_prefill_scheduler(**kw):
     return make_scheduler(long_prefill_threshold=32, long_prefill_budget=24, **kw)
 
 
-def test_long_prompt_chunks_are_capped_while_others_run():
-    sched = long_prefill_scheduler(attn_cost_context=100.0)
+def busy_long_prefill_scheduler(**kw):
+    """long_prefill_scheduler with one sequence decoding for a long while: other work is in the engine."""
+    sched = long_prefill_scheduler(**kw)
     other = seq(4, max_tokens=500, start=9000)
     sched.add(other)
     step(sched)
+    return sched, other
+
+
+def test_long_prompt_chunks_are_capped_while_others_run():
+    sched, other = busy_long_prefill_scheduler(attn_cost_context=100.0)
     long = seq(300)
     sched.add(long)
     chunks = []
@@ -179,10 +185,7 @@ def test_long_prompt_chunks_are_capped_while_others_run():
 
 
 def test_short_prompts_go_before_long_ones_and_their_step_carries_no_long_chunk():
-    sched = long_prefill_scheduler()
-    other = seq(4, max_tokens=500, start=9000)
-    sched.add(other)
-    step(sched)
+    sched, other = busy_long_prefill_scheduler()
     long = seq(200)
     sched.add(long)
     for _ in range(5):
@@ -195,10 +198,7 @@ def test_short_prompts_go_before_long_ones_and_their_step_carries_no_long_chunk(
 
 def test_a_long_prompt_stays_long_to_its_last_chunk():
     """Its last chunks are as small as a short prompt but stay out of the short prompts' steps."""
-    sched = long_prefill_scheduler()
-    other = seq(4, max_tokens=500, start=9000)
-    sched.add(other)
-    step(sched)
+    sched, other = busy_long_prefill_scheduler()
     long = seq(40)
     sched.add(long)
     assert step(sched).prefills == [(long, 24)]
@@ -209,10 +209,7 @@ def test_a_long_prompt_stays_long_to_its_last_chunk():
 
 
 def test_several_long_prompts_share_one_long_budget():
-    sched = long_prefill_scheduler()
-    other = seq(4, max_tokens=500, start=9000)
-    sched.add(other)
-    step(sched)
+    sched, other = busy_long_prefill_scheduler()
     a, b = seq(100), seq(120, start=1000)
     sched.add(a)
     sched.add(b)
@@ -221,10 +218,7 @@ def test_several_long_prompts_share_one_long_budget():
 
 
 def test_a_prefix_cache_hit_can_make_a_long_prompt_short():
-    sched = long_prefill_scheduler(block_size=4)
-    other = seq(4, max_tokens=500, start=9000)
-    sched.add(other)
-    step(sched)
+    sched, other = busy_long_prefill_scheduler(block_size=4)
     first = seq(36, max_tokens=1, start=100)
     sched.add(first)
     while not first.is_finished:

@@ -150,12 +150,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache = torch.empty(0)
-        self.packed = False
 
     def pack_for_cpu(self) -> None:
         """After loading, on CPU: every projection (a tied head too, as its own copy) in oneDNN's packed layout."""
         pack_linears(self)
-        self.packed = True
 
     def finish_loading(self, device: torch.device) -> None:
         """After the weights are in place; re-ties because materialising a meta module unties shared weights."""
