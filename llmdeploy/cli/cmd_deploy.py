@@ -93,6 +93,8 @@ def _apply_detached(paths: DeploymentPaths, req, new_keys: dict[str, str], spec)
         f"{spec.name}: {result['result']}"
         + (" (resumed from state.db)" if started and result["result"] == "unchanged" else "")
     )
+    if share := result.get("canary"):
+        plain(canary_share_line(share))
     if not started and result.get("revision") is None:  # hot reload / re-listen: nothing starts
         st = client.status()
     else:
@@ -203,15 +205,10 @@ def _apply_foreground(paths: DeploymentPaths, req, new_keys: dict[str, str]) -> 
 
 
 def _dry_run(spec, paths: DeploymentPaths) -> None:
+    from llmdeploy.cli.plan_live import last_applied_spec
     from llmdeploy.control.diff import diff_specs
 
-    last = None
-    if paths.state_db.is_file():
-        store = StateStore(paths.state_db)
-        dep = store.deployment()
-        last = dep.spec if dep else None
-        store.close()
-    diff = diff_specs(last, spec)
+    diff = diff_specs(last_applied_spec(paths), spec)
     est = None
     try:
         from llmdeploy.engine.estimate import estimate_spec
@@ -227,3 +224,13 @@ def register(app: typer.Typer) -> None:
     cmd = lambda *ex: app.command(epilog=examples(*ex))  # noqa: E731
     cmd("llmdeploy apply llmdeploy.yaml", "llmdeploy apply llmdeploy.yaml --dry-run",
         "llmdeploy apply llmdeploy.yaml --foreground   # systemd, containers")(apply)  # fmt: skip
+
+
+def canary_share_line(share: dict) -> str:
+    """What a changed rollout.canary_percent did to the running candidate."""
+    rev, pct = share["candidate"], share["percent"]
+    if pct >= 100:
+        return f"rollout.canary_percent is 100: candidate revision {rev} promoted"
+    if share["when"] == "ready":
+        return f"rollout.canary_percent: candidate revision {rev} will take {pct:g}% once ready"
+    return f"rollout.canary_percent: candidate revision {rev} now takes {pct:g}% of traffic"

@@ -10,11 +10,13 @@ import json
 import time
 
 import typer
+from rich.text import Text
 
 from llmdeploy.cli.cmd_deploy import wait_ready
-from llmdeploy.cli.console import console, examples, fail, plain
+from llmdeploy.cli.console import EXIT_INVALID, console, examples, fail, plain
 from llmdeploy.cli.deploy_access import NAME_OPT, admin_call, deployment_paths, locked, tail_lines
 from llmdeploy.cli.deploy_views import status_view
+from llmdeploy.cli.observe_views import watch_frame
 from llmdeploy.control.client import AdminClient, AdminError
 from llmdeploy.control.state import StateStore
 
@@ -87,23 +89,62 @@ def rollback(
 def status(
     name: str | None = NAME_OPT,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    watch: bool = typer.Option(
+        False, "--watch", "-w", help="Live view, refreshed every second (Ctrl-C leaves, exit 0)."
+    ),
 ) -> None:
-    """Revisions, traffic split, replicas with health, KV usage, queues, request rates, cloud share, last events.
+    """Revisions, traffic split, replicas with health, KV usage, queues, memory, request rates, cloud share and
+    cost, the saved bench curve, last events.
 
     Shows why an automatic rollback happened, with its numbers. Works from state.db when the daemon is down.
     """
+    if as_json and watch:
+        fail("--json and --watch do not go together: --json is one document for scripts", EXIT_INVALID)
     paths = deployment_paths(name)
-    try:
-        with AdminClient(paths) as client:
-            st = client.status()
-    except AdminError:
-        from llmdeploy.control.status import offline_status
-
-        st = offline_status(paths)
+    if watch:
+        _watch(paths)
+        return
+    st = _status_doc(paths)
     if as_json:
         plain(json.dumps(st, indent=2, default=str))
     else:
         console.print(status_view(st))
+
+
+def _status_doc(paths) -> dict:
+    try:
+        with AdminClient(paths) as client:
+            return client.status()
+    except AdminError:
+        from llmdeploy.control.status import offline_status
+
+        return offline_status(paths)
+
+
+def _watch(paths, period_s: float = 1.0) -> None:
+    """rich Live over the same view as `status` (a terminal: redrawn in place on the alternate screen; a pipe:
+    one frame after another). The daemon may come and go while it runs; Ctrl-C leaves with exit 0."""
+    from rich.live import Live
+
+    def frames():
+        while True:
+            started = time.monotonic()
+            try:
+                yield watch_frame(status_view(_status_doc(paths)))
+            except Exception as e:  # a state.db being written, a daemon going down: show it, keep watching
+                yield watch_frame(Text(""), f"status unavailable: {type(e).__name__}: {e}")
+            time.sleep(max(0.0, period_s - (time.monotonic() - started)))
+
+    try:
+        if not console.is_terminal:
+            for frame in frames():
+                console.print(frame)
+                console.rule(style="dim")
+        with Live(console=console, auto_refresh=False, screen=True) as live:
+            for frame in frames():
+                live.update(frame, refresh=True)
+    except KeyboardInterrupt:
+        pass
 
 
 def history(
@@ -208,7 +249,7 @@ def register(app: typer.Typer) -> None:
     cmd("llmdeploy promote", "llmdeploy promote --name chat")(promote)
     cmd("llmdeploy rollback", "llmdeploy rollback --to-revision 3", "llmdeploy history   # pick N")(rollback)
     cmd("llmdeploy history", "llmdeploy history --json")(history)
-    cmd("llmdeploy status", "llmdeploy status --json | jq .split", "watch -n1 llmdeploy status")(status)
+    cmd("llmdeploy status", "llmdeploy status --json | jq .split", "llmdeploy status --watch")(status)
     cmd("llmdeploy logs", "llmdeploy logs --follow", "llmdeploy logs --revision 2 --lines 100")(logs)
     cmd(
         "llmdeploy down",

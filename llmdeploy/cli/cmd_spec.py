@@ -54,11 +54,20 @@ def validate(file: Path = FILE_ARG) -> None:
     plain(f"{file}: valid")
 
 
-def plan(file: Path = FILE_ARG) -> None:
-    """Show what `apply` would run: the spec with defaults filled in, and its memory estimate.
+def plan(
+    file: Path = FILE_ARG,
+    prompt_len: int = typer.Option(512, "--prompt-len", min=1, help="Average prompt tokens, for capacity."),
+    output_len: int = typer.Option(256, "--output-len", min=1, help="Average output tokens, for capacity."),
+) -> None:
+    """Show what `apply` would run: the spec with defaults filled in, its memory and capacity estimate, the
+    changes against the deployment's last applied spec, and, while it runs, its measured throughput ceiling.
 
-    The estimate reads the model's config only (no weights): weights memory, KV bytes per token, and the KV cache's capacity in tokens and in sequences of max_model_len.
+    The estimate reads the model's config only (no weights): weights memory, KV bytes per token, and the KV
+    cache's capacity in tokens and in concurrent sequences of max_model_len and of the average length given.
+    The ceiling comes from each running engine's step-cost model (fixed + per prefill token + per decoding
+    sequence, fitted from its own steps).
     """
+    from llmdeploy.cli.plan_live import diff_lines, live_ceilings
     from llmdeploy.engine.estimate import EstimateError, estimate_spec
 
     spec = load_or_exit(file)
@@ -66,7 +75,10 @@ def plan(file: Path = FILE_ARG) -> None:
         est = estimate_spec(spec)
     except EstimateError as e:
         fail(f"cannot estimate memory for {spec.model.path}: {e}")
-    console.print(render_plan(spec, est))
+    console.print(render_plan(spec, est, diff_lines(spec), avg=(prompt_len, output_len)))
+    ceilings = live_ceilings(spec, est, prompt_len, output_len)
+    if ceilings is not None:
+        console.print(ceilings)
 
 
 def schema() -> None:
@@ -130,10 +142,13 @@ def _cloud_line(spec: DeploymentSpec) -> str:
 
 
 def render_plan(
-    spec: DeploymentSpec, estimate: Estimate | None = None, diff: Sequence[str] | None = None
+    spec: DeploymentSpec,
+    estimate: Estimate | None = None,
+    diff: Sequence[str] | None = None,
+    avg: tuple[int, int] | None = None,
 ) -> Group:
-    """What apply would do. `diff`: lines starting with +, - or a space, against the running deployment
-    (None: not known; the control plane passes it once it can)."""
+    """What apply would do. `diff`: lines starting with +, - or a space, against the deployment's last applied
+    spec (None: it was never applied). `avg`: average prompt and output tokens for the capacity line."""
     parts: list[RenderableType] = [
         _heading("Spec (defaults filled in)"),
         Syntax(normalised_yaml(spec), "yaml", theme="ansi_dark", background_color="default"),
@@ -141,12 +156,12 @@ def render_plan(
     if estimate is not None:
         parts += [
             _heading("Estimate (from the model's config; no weights loaded)"),
-            render_estimate(estimate),
+            render_estimate(estimate, avg),
         ]
         parts += [Text(f"note: {n}", style="yellow") for n in estimate.notes]
-    parts.append(_heading("Changes against the running deployment"))
+    parts.append(_heading("Changes against the last applied spec"))
     if diff is None:
-        parts.append(Text("not computed yet (arrives with the control plane)"))
+        parts.append(Text(f"none applied yet: `llmdeploy apply` would create deployment {spec.name!r}"))
     elif not diff:
         parts.append(Text("none: the running deployment already matches this spec"))
     else:
@@ -159,7 +174,7 @@ def _heading(title: str) -> Text:
     return Text(f"\n{title}", style="bold")
 
 
-def render_estimate(est: Estimate) -> Table:
+def render_estimate(est: Estimate, avg: tuple[int, int] | None = None) -> Table:
     s = est.shape
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
@@ -182,6 +197,9 @@ def render_estimate(est: Estimate) -> Table:
         "KV capacity",
         f"{est.kv_tokens:,} tokens = {est.max_model_len_seqs:,} sequences of max_model_len {est.max_model_len}",
     )
+    if avg is not None:
+        p, o = avg
+        t.add_row("", f"= {est.kv_tokens // (p + o):,} concurrent sequences of {p} + {o} tokens (average)")
     if est.replicas > 1:
         t.add_row("all replicas", f"{est.replicas} x {_size(est.weights_bytes + est.kv_budget_bytes)}")
     return t

@@ -10,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmdeploy.cli.observe_views import bench_line, cost_line, memory_cell
 from llmdeploy.control import revisions as rv
 from llmdeploy.control.diff import diff_specs
 
@@ -85,16 +86,26 @@ def revisions_table(st: dict[str, Any]) -> Table:
 
 def replicas_table(st: dict[str, Any]) -> Table:
     t = Table(title="Replicas", title_justify="left", show_edge=False)
-    for col in ("REV", "REPLICA", "PID", "PORT", "HEALTH", "RESTARTS", "KV USED", "WAITING", "RUNNING"):
-        t.add_column(col)
+    identity = ("REV", "REPLICA", "PID", "PORT", "HEALTH", "DTYPE")
+    cols = (*identity, "RESTARTS", "KV USED", "WAITING", "RUNNING", "MEMORY")
+    for col in cols:
+        t.add_column(col, overflow="fold" if col == "MEMORY" else "ellipsis")
     for r in st["replicas"]:
         health = Text(r["phase"], style="green" if r["ready"] else "yellow" if not r.get("failed") else "red")
         kv = f"{r['kv_usage']:.0%}" if r.get("kv_usage") is not None else "-"
         t.add_row(
-            str(r["revision"]), r["replica"], str(r["pid"] or "-"), r["url"].rsplit(":", 1)[-1], health, str(r["restarts"]), kv,
-            _num(r.get("waiting")), _num(r.get("running")),
+            str(r["revision"]), r["replica"], str(r["pid"] or "-"), r["url"].rsplit(":", 1)[-1], health,
+            dtype_cell(r), str(r["restarts"]), kv,
+            _num(r.get("waiting")), _num(r.get("running")), memory_cell(r.get("resources")),
         )  # fmt: skip
     return t
+
+
+def dtype_cell(r: dict[str, Any]) -> str:
+    """float32, bfloat16, or e.g. float32+int8 (weights quantized); '-' before the engine answered."""
+    dtype = r.get("dtype") or "-"
+    quant = r.get("quantization")
+    return f"{dtype}+{quant}" if quant and quant != "none" else dtype
 
 
 def traffic_table(st: dict[str, Any]) -> Table:
@@ -102,15 +113,15 @@ def traffic_table(st: dict[str, Any]) -> Table:
     t = Table(title="Traffic (router's sliding windows)", title_justify="left", show_edge=False)
     window = next((r["window"]["window_s"] for r in router.get("revisions", []) if r.get("window")), None)
     span = f" ({window:g}s)" if window else ""
-    for col in ("REV", "ROLE", "SPLIT", f"REQUESTS{span}", "REQ/S", "ERROR RATE", "TTFT P99"):
+    for col in ("REV", "ROLE", "SPLIT", f"REQUESTS{span}", "REQ/S", "ERROR RATE", "TTFT P50", "TTFT P99"):
         t.add_column(col)
     for r in router.get("revisions", []):
         w = r.get("window") or {}
         rate = w.get("requests", 0) / w["window_s"] if w.get("window_s") else 0.0
-        ttft = f"{w['ttft_p99_ms']:.0f} ms" if w.get("ttft_p99_ms") is not None else "-"
+        ttft, p50 = (_ms(w.get(k)) for k in ("ttft_p99_ms", "ttft_p50_ms"))
         t.add_row(
             str(r["revision"]), r.get("role", ""), f"{r.get('percent', 0):g}%", str(w.get("requests", 0)),
-            f"{rate:.2f}", f"{w.get('error_rate', 0):.1%}", ttft,
+            f"{rate:.2f}", f"{w.get('error_rate', 0):.1%}", p50, ttft,
         )  # fmt: skip
     return t
 
@@ -151,7 +162,11 @@ def status_view(st: dict[str, Any]) -> RenderableType:
             f"breaker {cloud.get('breaker', '-')}",
         )
     else:
-        head.add_row("cloud", "on" if st.get("cloud") else "off")
+        source = f" ({st['settings_from']})" if st.get("settings_from") else ""
+        head.add_row("cloud", ("on" if st.get("cloud") else "off") + source)
+    for label, line in (("cost", cost_line(router.get("cost"))), ("bench", bench_line(st.get("bench")))):
+        if line:
+            head.add_row(label, line)
     judged = st.get("auto_rollback")
     if judged:
         head.add_row("auto-rollback", judged["reason"])
@@ -196,6 +211,10 @@ def revision_change(prev: dict | None, spec: dict) -> str:
         {k: prev[k] for k in rv.REVISION_SECTIONS}, {k: spec[k] for k in rv.REVISION_SECTIONS}
     ).changes
     return "; ".join(f"{c.path}: {c.old} -> {c.new}" for c in changes[:4]) or "same as previous"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
 
 
 def _num(v: Any) -> str:

@@ -1,11 +1,13 @@
 """The control plane inside the daemon: applies specs, starts and recovers revisions, follows their readiness.
 
-Moving traffic between revisions (canary, promote, rollback, the automatic rollback) lives in rollout.py; the
-Controller owns that Rollout and stays the one object the admin API and the daemon talk to.
+Every change of the traffic between revisions (canary, promote, rollback, the automatic rollback, a revision
+that became ready or failed) is decided by a pure function of transitions.py over the value of traffic.py;
+the Controller is the one writer: it carries out the move that function returns (ARCHITECTURE.md §6, §7).
+The auto-rollback watcher (rollout.py) judges the candidate and asks the Controller for that move.
 
 One asyncio lock serialises every operation (admin calls and the automatic rollback). The in-memory state
-(applied spec, stable/candidate revision, split) is written to state.db after each change, so a new daemon
-resumes exactly where a killed one stopped.
+(applied spec, traffic) is written to state.db after each change, so a new daemon resumes exactly where a
+killed one stopped.
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from llmdeploy.control import revisions as rv
+from llmdeploy.control import traffic as tr
+from llmdeploy.control import transitions as tx
 from llmdeploy.control.diff import diff_specs
 from llmdeploy.control.errors import ControlError
 from llmdeploy.control.keys import mirror_env, referenced_env
 from llmdeploy.control.listener import Listener, ListenError, open_router_listener, router_url
 from llmdeploy.control.paths import DeploymentPaths
-from llmdeploy.control.rollout import Rollout
+from llmdeploy.control.rollout import AutoRollbackWatcher, WatchedCandidate
 from llmdeploy.control.state import StateStore
+from llmdeploy.control.status import daemon_status
 from llmdeploy.control.supervisor import Supervisor, is_our_engine, owner_tag, terminate, unsupported
 from llmdeploy.policies.rollback import RollbackDecision
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
 from llmdeploy.spec.models import DeploymentSpec
 
 log = logging.getLogger("llmdeploy.control")
-DRAIN_S = 30.0
+DRAIN_S = 30.0  # how long a revision that leaves the table may finish its in-flight requests
+FAILED_STOP_S = 5.0  # a revision that failed has nothing in flight worth waiting for
 
 
 class ApplyRequest(BaseModel):
@@ -47,36 +53,90 @@ class Controller:
         self.table = RoutingTable()
         self.supervisor = Supervisor(paths, store, self._engines_changed, self.event)
         self.spec: DeploymentSpec | None = None
-        self.stable: int | None = None
-        self.candidate: int | None = None
-        self.percent = 0.0
+        self.traffic = tr.Traffic()  # written only by _carry_out (and recover, before anything runs)
         self.key_hashes: dict[str, str] = {}
         self.router: Any = None
         self.listener: Listener | None = None
+        self.watcher = AutoRollbackWatcher(self._watched_candidate, self.auto_rollback)
         self._reconcile_task: asyncio.Task | None = None
-        self.rollout = Rollout(self, DRAIN_S)
+        self._stopping: set[asyncio.Task] = set()  # background stops: held so they are not collected mid-way
 
-    # ---- bookkeeping (the Rollout uses these too) ----------------------------------------------------------
+    # ---- the one writer of the traffic ---------------------------------------------------------------------
+
+    def snapshot(self) -> tr.Snapshot:
+        engines = {
+            rev: tr.Engines(
+                self.supervisor.revision_phase(rev),  # type: ignore[arg-type]
+                tuple(tr.ReplicaPhase(r.name, r.phase, r.failed) for r in reps),
+            )
+            for rev, reps in self.supervisor.replicas.items()
+        }
+        return tr.Snapshot(self.traffic, self.spec, tuple(self.store.revisions()), engines)
+
+    async def _carry_out(self, move: tr.Move | tr.Refusal) -> dict[str, Any]:
+        """Carry out a transition's move, effect by effect; a refusal changes nothing. Under the lock."""
+        if isinstance(move, tr.Refusal):
+            raise ControlError(move.message, move.status)
+        for step in move.steps():
+            self.traffic = step.traffic
+            for effect in step.effects:
+                await self._effect(effect)
+        return move.answer
+
+    async def _effect(self, effect: tr.Effect) -> None:
+        match effect:
+            case tr.StartRevision(revision=planned, spec=spec, origin=origin):
+                data, spec_hash = rv.spec_dict(spec), rv.revision_hash(spec)
+                created = self.store.create_revision(data, spec_hash, rv.STARTING, origin)
+                if created != planned:  # someone else wrote the revisions table: the move's ids are wrong
+                    raise RuntimeError(f"state.db gave revision {created}; the move planned {planned}")
+                self.supervisor.start_revision(created, spec)
+            case tr.StopRevision(revision=rev, wait=wait, failed=failed):
+                stopping = self.supervisor.stop_revision(rev, FAILED_STOP_S if failed else DRAIN_S)
+                if wait:
+                    await stopping
+                else:
+                    task = asyncio.get_running_loop().create_task(stopping)
+                    self._stopping.add(task)
+                    task.add_done_callback(self._stopping.discard)
+            case tr.SetRevisionState(revision=rev, state=state, reason=reason):
+                self.store.set_revision_state(rev, state, reason)
+            case tr.MarkServed(revision=rev):
+                self.store.mark_served(rev)
+            case tr.UseSpec(spec=spec):
+                self.spec = spec
+            case tr.Persist():
+                self.save()
+            case tr.Publish():
+                self.publish()
+            case tr.Emit(kind=kind, message=message, revision=rev, data=data):
+                self.event(kind, message, rev, data)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
 
     def event(self, kind: str, message: str, revision: int | None = None, data: dict | None = None) -> None:
         self.store.add_event(kind, message, revision, data)
+        if self.router is not None:  # the router's rollback/restart counters (/metrics)
+            self.router.control_event(kind, revision)
         log.info("[%s]%s %s", kind, f" rev {revision}" if revision else "", message)
 
     def save(self) -> None:
-        self.store.update_deployment(
-            spec=rv.spec_dict(self.spec) if self.spec else None, stable=self.stable, candidate=self.candidate,
-            candidate_percent=self.percent, key_hashes=self.key_hashes,
-        )  # fmt: skip
+        t = self.traffic
+        self.store.update_deployment(  # one write: a new daemon never reads a spec with another's traffic
+            spec=rv.spec_dict(self.spec) if self.spec else None,
+            stable=t.stable,
+            candidate=t.candidate,
+            candidate_percent=t.percent,
+            key_hashes=self.key_hashes,
+        )
 
     def publish(self) -> None:
         """Swap the router's table: revisions, their share, and which engines are ready now."""
-        shares = rv.split(self.stable, self.candidate, self.percent)
+        shares = self.traffic.split()
         routes = []
-        for rev, role in ((self.stable, "stable"), (self.candidate, "candidate")):
-            if rev is None:
-                continue
+        for rev, role in self.traffic.roles():
             replicas = self.supervisor.replicas.get(rev, [])
-            engines = [EngineEndpoint(r.url, r.name, r.ready) for r in replicas]
+            engines = [EngineEndpoint(r.url, r.name, r.ready, r.token) for r in replicas]
             # the name this revision's engines answer: a revision may rename the model
             alias = replicas[0].spec.model.served_alias if replicas else None
             routes.append(RevisionRoute(rev, role, shares[rev], engines, alias))
@@ -91,7 +151,12 @@ class Controller:
         r = self.store.revision(rev)
         return r.state if r else "unknown"
 
-    # ---- startup ------------------------------------------------------------------------------------------
+    @property
+    def judgement(self) -> RollbackDecision | None:
+        """The watcher's last judgement of the candidate (status shows it)."""
+        return self.watcher.judgement
+
+    # ---- startup -------------------------------------------------------------------------------------------
 
     async def recover(self) -> None:
         """Resume from state.db: same revisions, same split; re-adopt live engines or start them again."""
@@ -100,9 +165,9 @@ class Controller:
             return
         self.spec = DeploymentSpec.model_validate(dep.spec)
         _set_log_level(self.spec)
-        self.stable, self.candidate, self.percent = dep.stable, dep.candidate, dep.candidate_percent
+        stored = tr.Traffic(dep.stable, dep.candidate, dep.candidate_percent)
         self.key_hashes = dict(dep.key_hashes)
-        keep = {r for r in (self.stable, self.candidate) if r is not None}
+        keep = {rev for rev, _ in stored.roles()}
         records = self.store.engines()
         for rec in records:  # leftovers of a revision that was being stopped when the daemon died
             if rec.revision not in keep:
@@ -112,26 +177,21 @@ class Controller:
         for r in self.store.revisions():
             if r.state in rv.LIVE_STATES and r.id not in keep:
                 self.store.set_revision_state(r.id, rv.RETIRED, "stopped while the daemon was down")
-        for rev in sorted(keep):
-            row = self.store.revision(rev)
-            if row is None or row.state not in rv.LIVE_STATES:
-                self.stable = None if rev == self.stable else self.stable
-                self.candidate = None if rev == self.candidate else self.candidate
-                continue
-            self.supervisor.start_revision(
-                rev, DeploymentSpec.model_validate(row.spec), [e for e in records if e.revision == rev]
-            )
-        if self.candidate is not None and self.stable is None:
-            self.stable, self.candidate, self.percent = self.candidate, None, 0.0
+        rows = {r.id: r for r in self.store.revisions()}
+        # written here without a move: the lock is held and no engine runs yet, so nothing else reads it
+        self.traffic = tx.resumed(stored, list(rows.values()))
+        for rev, _ in sorted(self.traffic.roles()):
+            adopt = [e for e in records if e.revision == rev]
+            self.supervisor.start_revision(rev, DeploymentSpec.model_validate(rows[rev].spec), adopt)
         self.save()
         self.publish()
         try:
             await self._serve_router(self.spec)
         except ListenError as e:  # reported again by the apply that follows
             log.error("%s", e)
+        t = self.traffic
         self.event(
-            "recover",
-            f"resumed from state.db: stable {self.stable}, candidate {self.candidate} at {self.percent:g}%",
+            "recover", f"resumed from state.db: stable {t.stable}, candidate {t.candidate} at {t.percent:g}%"
         )
 
     async def _serve_router(self, spec: DeploymentSpec) -> None:
@@ -139,12 +199,13 @@ class Controller:
 
         if self.router is None:
             self.router = create_router(spec, self.table, generated_key_hashes=self.key_hashes)
+            self.router.set_control_feed(self.status)  # /dashboard shows events, revision states, replicas
             await self.router.start()  # engine pool poller; the listener runs with lifespan off (re-listen)
         if self.listener is None:
             self.listener = await open_router_listener(self.router.app, spec, DRAIN_S)
             log.info("router listening on %s", router_url(spec))
 
-    # ---- apply --------------------------------------------------------------------------------------------
+    # ---- apply ---------------------------------------------------------------------------------------------
 
     async def apply(self, req: ApplyRequest) -> dict[str, Any]:
         new = DeploymentSpec.model_validate(req.spec)
@@ -154,9 +215,10 @@ class Controller:
             mirror_env(req.env, referenced_env(new))
             diff = diff_specs(self.spec, new)
             keys_changed = req.key_hashes != self.key_hashes
-            needs_revision = diff.new_revision or self.stable is None
-            if needs_revision and not diff.created and not req.force:
-                self._refuse_rolled_back(new)
+            needs_revision = diff.new_revision or self.traffic.stable is None
+            roll_forward = needs_revision and not diff.created and not req.force
+            if roll_forward and (refusal := tx.refuse_roll_forward(self.snapshot(), new)):
+                raise ControlError(refusal.message, refusal.status)
             if diff.unchanged and not keys_changed and not needs_revision:
                 try:  # a recovered daemon may have found its port taken: say so rather than wait
                     await self._serve_router(new)
@@ -177,30 +239,23 @@ class Controller:
                 if self.router is not None and old is not None:
                     self._update_router(old)
                 raise ControlError(str(e)) from None
-            revision = self.start_revision(new, origin="apply") if needs_revision else None
+            revision, share = None, None
+            if needs_revision:
+                started = await self._carry_out(tx.start_revision(self.snapshot(), new, origin="apply"))
+                revision = started["revision"]
+            elif moved := tx.reapply_canary_percent(self.snapshot(), old):
+                share = await self._carry_out(moved)
             self.save()
             self.publish()
-            self.event(
-                "apply", f"{diff.summary()}" + (f": revision {revision} starting" if revision else ""), revision,
-                {"changes": [c.path for c in diff.changes][:50]},
-            )  # fmt: skip
-            return self._apply_result(diff.summary(), diff, revision)
+            starting = f": revision {revision} starting" if revision else ""
+            changes = {"changes": [c.path for c in diff.changes][:50]}
+            self.event("apply", f"{diff.summary()}{starting}", revision, changes)
+            result = self._apply_result(diff.summary(), diff, revision)
+            return {**result, "canary": share} if share else result
 
     def _apply_result(self, summary: str, diff: Any, revision: int | None = None) -> dict[str, Any]:
-        return {"result": summary, "revision": revision, "diff": diff.to_json(), "stable": self.stable}
-
-    def _refuse_rolled_back(self, new: DeploymentSpec) -> None:
-        h = rv.revision_hash(new)
-        stable = self.store.revision(self.stable) if self.stable else None
-        if stable and stable.spec_hash == h:
-            return
-        for r in reversed(self.store.revisions()):
-            if r.spec_hash == h and r.state == rv.ROLLED_BACK:
-                raise ControlError(
-                    f"this file declares the model/engine/parallel settings of revision {r.id}, which was rolled "
-                    f"back ({r.reason or 'by hand'}); applying it would roll forward again. Fix the file, or pass "
-                    "--force to start it as a new revision anyway."
-                )
+        stable = self.traffic.stable
+        return {"result": summary, "revision": revision, "diff": diff.to_json(), "stable": stable}
 
     def _update_router(self, spec: DeploymentSpec) -> None:
         self.router.update_spec(spec, generated_key_hashes=self.key_hashes)
@@ -218,90 +273,49 @@ class Controller:
             await old.stop()
         self.event("relisten", f"router now listening on {router_url(spec)}")
 
-    def start_revision(self, spec: DeploymentSpec, origin: str) -> int:
-        rev = self.store.create_revision(rv.spec_dict(spec), rv.revision_hash(spec), rv.STARTING, origin)
-        if self.stable is None:
-            self.stable, self.candidate, self.percent = rev, None, 0.0
-        else:
-            if self.candidate is not None:  # a newer candidate supersedes the one in flight
-                old = self.candidate
-                self.store.set_revision_state(old, rv.RETIRED, f"superseded by revision {rev}")
-                asyncio.get_running_loop().create_task(self.supervisor.stop_revision(old, DRAIN_S))
-                self.event("retire", f"candidate {old} superseded by revision {rev}", old)
-            self.candidate, self.percent = rev, 0.0
-        self.supervisor.start_revision(rev, spec)
-        return rev
-
-    # ---- readiness transitions ------------------------------------------------------------------------------
+    # ---- the supervisor's news: a revision became ready or failed ------------------------------------------
 
     async def _reconcile(self) -> None:
         async with self.lock:
-            for rev in [r for r in (self.stable, self.candidate) if r is not None]:
-                phase = self.supervisor.revision_phase(rev)
-                state = self.state_of(rev)
-                if phase == "failed" and state in rv.LIVE_STATES:
-                    await self._revision_failed(rev)
-                elif phase == "ready" and state == rv.STARTING:
-                    self._revision_ready(rev)
+            # one revision at a time, each judged on a fresh snapshot: a failure waits for its engines to stop
+            for rev, _ in self.traffic.roles():
+                if move := tx.settle(self.snapshot(), rev):
+                    await self._carry_out(move)
             self.publish()
 
-    def _revision_ready(self, rev: int) -> None:
-        spec = self.spec
-        assert spec is not None
-        if rev == self.stable:
-            self.store.set_revision_state(rev, rv.SERVING)
-            self.store.mark_served(rev)
-            self.event("ready", f"revision {rev} is ready and serving 100%", rev)
-            return
-        origin = self.store.revision(rev).origin  # type: ignore[union-attr]
-        if origin.startswith("rollback") or spec.rollout.canary_percent >= 100:
-            self.store.set_revision_state(rev, rv.READY)
-            self.rollout.promote_candidate(
-                reason="rollback" if origin.startswith("rollback") else "rollout.canary_percent is 100"
-            )
-            return
-        self.percent = spec.rollout.canary_percent
-        self.store.set_revision_state(rev, rv.SERVING if self.percent > 0 else rv.READY)
-        self.save()
-        self.event("ready", f"candidate revision {rev} is ready; it takes {self.percent:g}% of traffic", rev)
-
-    async def _revision_failed(self, rev: int) -> None:
-        reason = next((r.phase for r in self.supervisor.replicas.get(rev, []) if r.failed), "engines failed")
-        self.store.set_revision_state(rev, rv.FAILED, reason)
-        if rev == self.candidate:
-            self.candidate, self.percent = None, 0.0
-        elif rev == self.stable:
-            self.stable = None
-        self.save()
-        self.publish()
-        self.event("failed", f"revision {rev} failed to start: {reason}", rev)
-        await self.supervisor.stop_revision(rev, 5.0)
-        if self.candidate is not None and self.stable is None:
-            self.stable, self.candidate = self.candidate, None
-            self.save()
-
-    # ---- traffic (rollout.py) ---------------------------------------------------------------------------------
-    # the admin API and the daemon talk to the Controller alone; the Rollout works on its state under its lock
+    # ---- traffic by hand (the admin API) and by the watcher ------------------------------------------------
 
     async def canary(self, percent: float) -> dict[str, Any]:
-        return await self.rollout.canary(percent)
+        async with self.lock:
+            return await self._carry_out(tx.set_canary_share(self.snapshot(), percent))
 
     async def promote(self) -> dict[str, Any]:
-        return await self.rollout.promote()
+        async with self.lock:
+            return await self._carry_out(tx.promote(self.snapshot()))
 
-    async def rollback(
-        self, to_revision: int | None = None, decision: RollbackDecision | None = None
-    ) -> dict[str, Any]:
-        return await self.rollout.rollback(to_revision, decision)
+    async def rollback(self, to_revision: int | None = None) -> dict[str, Any]:
+        async with self.lock:
+            return await self._carry_out(tx.roll_back(self.snapshot(), to_revision))
+
+    async def auto_rollback(self, decision: RollbackDecision, revision: int) -> dict[str, Any]:
+        async with self.lock:
+            return await self._carry_out(tx.auto_roll_back(self.snapshot(), decision, revision))
+
+    def _watched_candidate(self) -> WatchedCandidate | None:
+        """The candidate to judge: one that takes traffic (ready or serving) while the router runs."""
+        rev, spec = self.traffic.candidate, self.spec
+        if rev is None or spec is None or self.router is None:
+            return None
+        if self.state_of(rev) not in (rv.READY, rv.SERVING):
+            return None
+        return WatchedCandidate(rev, self.router.revision_window(rev), spec.rollout.auto_rollback)
 
     async def watch_candidate(self, period_s: float = 1.0) -> None:
-        await self.rollout.watch(period_s)
+        await self.watcher.run(period_s)
 
-    # ---- status and shutdown ----------------------------------------------------------------------------------
+    # ---- status and shutdown -------------------------------------------------------------------------------
 
     async def status(self) -> dict[str, Any]:
-        from llmdeploy.control.status import daemon_status
-
         return await daemon_status(self)
 
     async def shutdown(self, stop_engines: bool) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import uvicorn
 
+from llmdeploy.openai_api.guard import uvicorn_settings
 from llmdeploy.spec.models import DeploymentSpec
 
 
@@ -93,7 +94,7 @@ async def open_router_listener(app: Any, spec: DeploymentSpec, drain_s: float = 
     tls = {"ssl_certfile": spec.tls.cert_file, "ssl_keyfile": spec.tls.key_file} if spec.tls.enabled else {}
     listener = Listener(
         app, sock, f"router on {spec.listen}", lifespan="off", timeout_graceful_shutdown=drain_s,
-        timeout_keep_alive=30, **tls,
+        timeout_keep_alive=30, **uvicorn_settings(), **tls,
     )  # fmt: skip
     return await listener.start()
 

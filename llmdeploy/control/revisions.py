@@ -1,6 +1,7 @@
 """Revisions: what makes one (model, engine, parallel), their states, and the traffic split between them.
 
-A revision is an immutable set of engine processes. Its lifecycle:
+A revision is an immutable set of engine processes. Its lifecycle (ARCHITECTURE.md §5; control/traffic.py
+decides every step):
   starting -> ready (engines answer; a candidate waits here at 0%) -> serving (takes traffic)
            -> retired (replaced by a promotion or a newer candidate) | rolled-back (aborted or undone)
   starting -> failed (engines never became ready)
@@ -10,20 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 from llmdeploy.control.state import Revision
 from llmdeploy.spec.models import DeploymentSpec
 
-STARTING, READY, SERVING, RETIRED, FAILED, ROLLED_BACK = (
-    "starting",
-    "ready",
-    "serving",
-    "retired",
-    "failed",
-    "rolled-back",
-)
-LIVE_STATES = (STARTING, READY, SERVING)  # states whose engines run
+RevisionState = Literal["starting", "ready", "serving", "retired", "failed", "rolled-back"]
+STARTING: RevisionState = "starting"
+READY: RevisionState = "ready"
+SERVING: RevisionState = "serving"
+RETIRED: RevisionState = "retired"
+FAILED: RevisionState = "failed"
+ROLLED_BACK: RevisionState = "rolled-back"
+LIVE_STATES: tuple[RevisionState, ...] = (STARTING, READY, SERVING)  # states whose engines run
 REVISION_SECTIONS = ("model", "engine", "parallel")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS deployment (
@@ -54,11 +54,14 @@ CREATE TABLE IF NOT EXISTS engines (
     pid INTEGER NOT NULL,
     port INTEGER NOT NULL,
     started REAL NOT NULL,
+    restarts INTEGER NOT NULL DEFAULT 0,        -- kept across daemons: a re-adopted engine keeps its count
     PRIMARY KEY (revision, replica)
 );
 """
-# version -> statements taking the previous version to it; trivial while there is one version
-MIGRATIONS: dict[int, list[str]] = {}
+# version -> statements taking the previous version to it
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["ALTER TABLE engines ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0"],
+}
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class EngineRecord:
     pid: int
     port: int
     started: float
+    restarts: int = 0
 
 
 class StateStore:
@@ -218,10 +222,11 @@ class StateStore:
         ]
 
     # engine processes a restarted daemon may re-adopt
-    def record_engine(self, revision: int, replica: str, pid: int, port: int) -> None:
+    def record_engine(self, revision: int, replica: str, pid: int, port: int, restarts: int = 0) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO engines (revision, replica, pid, port, started) VALUES (?, ?, ?, ?, ?)",
-            (revision, replica, pid, port, time.time()),
+            "INSERT OR REPLACE INTO engines (revision, replica, pid, port, started, restarts) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (revision, replica, pid, port, time.time(), restarts),
         )
 
     def forget_engine(self, revision: int, replica: str) -> None:
@@ -232,7 +237,10 @@ class StateStore:
             rows = self.db.execute("SELECT * FROM engines ORDER BY revision, replica")
         else:
             rows = self.db.execute("SELECT * FROM engines WHERE revision = ? ORDER BY replica", (revision,))
-        return [EngineRecord(r["revision"], r["replica"], r["pid"], r["port"], r["started"]) for r in rows]
+        return [
+            EngineRecord(r["revision"], r["replica"], r["pid"], r["port"], r["started"], r["restarts"])
+            for r in rows
+        ]
 
 
 def _revision(r: sqlite3.Row) -> Revision:

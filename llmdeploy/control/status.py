@@ -1,4 +1,5 @@
-"""The status document (`llmdeploy status --json`): from the live daemon, or from state.db when it is down."""
+"""The status document (`llmdeploy status --json`): from the live daemon, or, when it is down, from state.db (the
+last applied spec's settings, the split, the revisions) and from the engine processes that still run."""
 
 from __future__ import annotations
 
@@ -6,18 +7,30 @@ import logging
 import os
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+from pydantic import ValidationError
 
 from llmdeploy.control import revisions as rv
+from llmdeploy.control.bench_results import latest_curve
 from llmdeploy.control.listener import router_url
 from llmdeploy.control.paths import DeploymentPaths
-from llmdeploy.control.state import StateStore
+from llmdeploy.control.processes import running_engines
+from llmdeploy.control.state import EngineRecord, StateStore
+from llmdeploy.spec.models import DeploymentSpec
 
 if TYPE_CHECKING:
-    from llmdeploy.control.controller import Controller
+    from llmdeploy.control.supervisor import Supervisor
+    from llmdeploy.control.traffic import Traffic
+    from llmdeploy.policies.rollback import RollbackDecision
 
 log = logging.getLogger("llmdeploy.control")
-LOAD_KEYS = ("kv_usage", "waiting", "running", "free_blocks", "total_blocks")
+LOAD_KEYS = (
+    "kv_usage", "waiting", "running", "free_blocks", "total_blocks", "max_num_seqs", "step_cost", "resources",
+    "dtype", "quantization",
+)  # fmt: skip
+PROBE_TIMEOUT_S = 0.5  # status must answer at once, even when an orphaned engine hangs
 
 
 def revision_rows(
@@ -39,7 +52,29 @@ def revision_rows(
     return rows
 
 
-async def daemon_status(c: Controller) -> dict[str, Any]:
+class LiveControl(Protocol):
+    """What the live status reads from the daemon's controller, which passes itself in (the controller imports
+    this module, so this module names only what it reads)."""
+
+    @property
+    def paths(self) -> DeploymentPaths: ...
+    @property
+    def store(self) -> StateStore: ...
+    @property
+    def supervisor(self) -> Supervisor: ...
+    @property
+    def router(self) -> Any: ...
+    @property
+    def listener(self) -> Any: ...
+    @property
+    def spec(self) -> DeploymentSpec | None: ...
+    @property
+    def traffic(self) -> Traffic: ...
+    @property
+    def judgement(self) -> RollbackDecision | None: ...
+
+
+async def daemon_status(c: LiveControl) -> dict[str, Any]:
     spec = c.spec
     loads = await c.supervisor.loads()
     replicas = []
@@ -53,7 +88,7 @@ async def daemon_status(c: Controller) -> dict[str, Any]:
         except Exception:  # status must answer even if the router's bookkeeping is off
             log.exception("router snapshot failed")
     phases = {rev: c.supervisor.revision_phase(rev) for rev in c.supervisor.replicas}
-    d = c.rollout.judgement
+    d, t = c.judgement, c.traffic
     return {
         "name": c.paths.name,
         "daemon": {"pid": os.getpid(), "running": True, "time": time.time()},
@@ -62,15 +97,16 @@ async def daemon_status(c: Controller) -> dict[str, Any]:
         "served_alias": spec.model.served_alias if spec else None,
         "cloud": bool(spec and spec.cloud.enabled),
         "auth": bool(spec and spec.auth.api_key_required),
-        "stable": c.stable,
-        "candidate": c.candidate,
-        "split": {str(k): v for k, v in rv.split(c.stable, c.candidate, c.percent).items()},
-        "revisions": revision_rows(c.store, c.stable, c.candidate, c.percent, phases),
+        "stable": t.stable,
+        "candidate": t.candidate,
+        "split": {str(k): v for k, v in t.split().items()},
+        "revisions": revision_rows(c.store, t.stable, t.candidate, t.percent, phases),
         "replicas": replicas,
         "router": snapshot,
         "auto_rollback": None if d is None else {"rollback": d.rollback, "reason": d.reason, **d.numbers()},
         "events": [asdict(e) for e in c.store.events(12)],
         "last_auto_rollback": _last(c.store, "auto-rollback"),
+        "bench": latest_curve(c.paths),
     }
 
 
@@ -88,14 +124,48 @@ def offline_status(paths: DeploymentPaths) -> dict[str, Any]:
         )
         died = "not running (it died; `llmdeploy apply FILE` recovers it)"
         note = "not running (stopped by `llmdeploy down`)" if dep and not dep.running else died
+        spec = _last_spec(dep.spec if dep else None)
         return {
-            "name": paths.name, "daemon": {"running": False, "note": note}, "url": None, "listening": False,
+            "name": paths.name, "daemon": {"running": False, "note": note},
+            "url": router_url(spec) if spec else None, "listening": False,
+            "served_alias": spec.model.served_alias if spec else None,
+            "cloud": bool(spec and spec.cloud.enabled), "auth": bool(spec and spec.auth.api_key_required),
+            "settings_from": "last applied spec" if spec else None,
             "stable": stable, "candidate": candidate,
             "split": {str(k): v for k, v in rv.split(stable, candidate, percent).items()},
             "revisions": revision_rows(store, stable, candidate, percent),
-            "replicas": [], "router": {}, "auto_rollback": None,
+            "replicas": [_orphan(rec) for rec in running_engines(store, paths)],
+            "router": {}, "auto_rollback": None,
             "events": [asdict(e) for e in store.events(12)],
-            "last_auto_rollback": _last(store, "auto-rollback"),
+            "last_auto_rollback": _last(store, "auto-rollback"), "bench": latest_curve(paths),
         }  # fmt: skip
     finally:
         store.close()
+
+
+def _last_spec(raw: dict[str, Any] | None) -> DeploymentSpec | None:
+    try:
+        return DeploymentSpec.model_validate(raw) if raw else None
+    except ValidationError:  # written by an older release whose schema differed: show what still parses
+        return None
+
+
+def _orphan(rec: EngineRecord) -> dict[str, Any]:
+    """An engine still running while no daemon supervises it: what its /health and /load say now."""
+    url = f"http://127.0.0.1:{rec.port}"
+    healthy, load = _probe(f"{url}/health") is not None, _probe(f"{url}/load")
+    return {
+        "revision": rec.revision, "replica": rec.replica, "url": url, "pid": rec.pid, "ready": healthy,
+        "phase": "running, unsupervised" if healthy else "not answering, unsupervised",
+        "restarts": rec.restarts, "kv_tokens": None, "failed": False,
+        **{k: load.get(k) if isinstance(load, dict) else None for k in LOAD_KEYS},
+    }  # fmt: skip
+
+
+def _probe(url: str) -> Any:
+    """The JSON a 200 answer carries, else None."""
+    try:
+        r = httpx.get(url, timeout=PROBE_TIMEOUT_S, trust_env=False)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None

@@ -5,6 +5,10 @@ backoff (the replica is unready meanwhile, so the router sends its share elsewhe
 revision whose engines crash before ever becoming ready. Engines run in their own session so they outlive a
 killed daemon; pid + port are recorded in state.db and the next daemon re-adopts them when /proc shows the
 same process (our owner tag in its environment) and /health answers.
+
+Each engine gets the deployment's internal token in its environment (never on its command line, in state.db or
+in status): it then serves only requests that carry it, which the router sends. The token is made when the
+daemon starts; an engine re-adopted from an earlier daemon keeps its own, read back from its environment.
 """
 
 from __future__ import annotations
@@ -13,8 +17,7 @@ import asyncio
 import logging
 import os
 import re
-import signal
-import socket
+import secrets
 import subprocess
 import sys
 import time
@@ -27,21 +30,27 @@ import httpx
 
 from llmdeploy.control.keys import referenced_env
 from llmdeploy.control.paths import DeploymentPaths
+from llmdeploy.control.processes import (  # noqa: F401 -- pid_alive, stop_recorded_engines: used via this module
+    OWNER_ENV,
+    engine_token,
+    free_port,
+    is_our_engine,
+    owner_tag,
+    pid_alive,
+    stop_recorded_engines,
+    terminate,
+)
 from llmdeploy.control.state import EngineRecord, StateStore
+from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.spec.models import DeploymentSpec, not_yet_supported
 
 log = logging.getLogger("llmdeploy.supervisor")
-OWNER_ENV = "LLMDEPLOY_ENGINE_OWNER"
 START_TIMEOUT_S = 900.0  # loading big weights on CPU is slow; past this a silent engine counts as crashed
 MAX_CRASHES_BEFORE_READY = 3
 BACKOFF_BASE_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 0.5, 30.0, 30.0
 UNHEALTHY_AFTER = 3  # failed probes in a row before a live engine is marked unready
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+ENGINE_BODY_FACTOR = 4  # the router re-encodes bodies with \u escapes: up to ~3x the client's bytes
+MIN_ENGINE_BODY_BYTES = 32 * 1024 * 1024
 
 
 def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> list[str]:
@@ -54,12 +63,19 @@ def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> li
         "--device", e.device, "--kernel-backend", e.kernel_backend, "--seed", str(e.seed),
     ]  # fmt: skip
     cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization), "--log-level", spec.logging.level]
-    cmd += ["--drain-timeout", str(drain_s)]
+    cmd += ["--drain-timeout", str(drain_s), "--max-body-bytes", str(engine_body_limit(spec))]
+    cmd += ["--ttft-sla-ms", str(spec.sla.ttft_p99_ms)]  # the scheduler's deadlines count from it
+    cmd += ["--quantization", m.quantization, "--compile" if e.compile else "--no-compile"]
     if not e.prefix_caching:
         cmd.append("--no-prefix-caching")
     if spec.logging.bodies:
         cmd.append("--log-bodies")
     return cmd
+
+
+def engine_body_limit(spec: DeploymentSpec) -> int:
+    """Roomy enough for any body the router passes on (it refuses bigger ones first), yet bounded."""
+    return max(MIN_ENGINE_BODY_BYTES, ENGINE_BODY_FACTOR * spec.routing.max_body_bytes + 65536)
 
 
 def unsupported(spec: DeploymentSpec) -> str | None:
@@ -70,72 +86,6 @@ def unsupported(spec: DeploymentSpec) -> str | None:
 
 def backoff_s(consecutive_crashes: int) -> float:
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** max(0, consecutive_crashes - 1))
-
-
-def owner_tag(paths: DeploymentPaths, revision: int, replica: str) -> str:
-    return f"{paths.root}#{revision}/{replica}"
-
-
-def is_our_engine(pid: int, port: int, owner: str) -> bool:
-    """The pid still runs the engine we started there (not a recycled pid or someone else's server)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return (
-        b"llmdeploy.engine" in argv
-        and str(port).encode() in argv
-        and f"{OWNER_ENV}={owner}".encode() in environ
-    )
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def terminate(pid: int, drain_s: float) -> None:
-    """SIGTERM (the engine drains), then SIGKILL after drain_s. Blocking; engines lead their own group."""
-    for sig, wait_s in ((signal.SIGTERM, drain_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not _reap_or_alive(pid):
-                return
-            time.sleep(0.05)
-
-
-def _reap_or_alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return False
-    except ChildProcessError:
-        pass
-    return pid_alive(pid)
-
-
-def stop_recorded_engines(store: StateStore, paths: DeploymentPaths, drain_s: float = 20.0) -> int:
-    """Stop engines a dead daemon left behind (used by `down` when no daemon answers)."""
-    stopped = 0
-    for rec in store.engines():
-        if is_our_engine(rec.pid, rec.port, owner_tag(paths, rec.revision, rec.replica)):
-            terminate(rec.pid, drain_s)
-            stopped += 1
-        store.forget_engine(rec.revision, rec.replica)
-    return stopped
 
 
 @dataclass
@@ -159,6 +109,7 @@ class Replica:
     stopping: bool = False
     restart_pending: bool = False
     log_offset: int = 0
+    token: str | None = field(default=None, repr=False)  # the engine's internal token (never shown)
 
     @property
     def url(self) -> str:
@@ -182,6 +133,7 @@ class Supervisor:
         self.paths, self.store, self.on_change, self.event = paths, store, on_change, event
         self.replicas: dict[int, list[Replica]] = {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False)
+        self.token = secrets.token_urlsafe(32)  # this daemon's engines' internal token
 
     # what the daemon reads
     def revision_phase(self, revision: int) -> str:
@@ -238,6 +190,7 @@ class Supervisor:
         try:
             if record and is_our_engine(record.pid, record.port, owner_tag(self.paths, r.revision, r.name)):
                 r.pid, r.port, r.phase = record.pid, record.port, "adopted"
+                r.restarts, r.token = record.restarts, engine_token(record.pid)
                 self.event(
                     "engine-adopted", f"re-adopted engine {r.name} (pid {r.pid}, port {r.port})", r.revision
                 )
@@ -279,6 +232,7 @@ class Supervisor:
         secrets = set(referenced_env(r.spec))  # engines need none of the keys the router reads
         env = {k: v for k, v in os.environ.items() if k not in secrets}
         env[OWNER_ENV] = owner_tag(self.paths, r.revision, r.name)
+        env[ENGINE_TOKEN_ENV] = r.token = self.token
         log_path = self.paths.engine_log(r.revision, r.name)
         with open(log_path, "ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {r.port}\n".encode())
@@ -289,7 +243,7 @@ class Supervisor:
                 env=env, start_new_session=True, cwd=self.paths.root,
             )  # fmt: skip
         r.pid, r.started, r.ready, r.phase = r.proc.pid, time.monotonic(), False, "loading weights"
-        self.store.record_engine(r.revision, r.name, r.pid, r.port)
+        self.store.record_engine(r.revision, r.name, r.pid, r.port, r.restarts)
         log.info("engine rev %s %s started: pid %s port %s", r.revision, r.name, r.pid, r.port)
 
     def _alive(self, r: Replica) -> bool:

@@ -2,12 +2,16 @@
 
 Engine options are the YAML's model.dtype, model.max_model_len and engine.* keys with dashes; their types,
 choices, defaults and help come from llmdeploy/spec/models.py, so the CLI can never drift from the YAML.
+
+With LLMDEPLOY_ENGINE_TOKEN in its environment (the daemon sets it) the engine serves its /v1 routes,
+/tokenize and /detokenize only to requests carrying that token (the router's); without it, none is needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import typing
 from typing import Any
@@ -15,10 +19,13 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from llmdeploy.spec.models import EngineSpec, ModelSpec
+from llmdeploy.openai_api.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, HTTPLimits
+from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
+from llmdeploy.spec.models import EngineSpec, ModelSpec, SLASpec
 
 log = logging.getLogger("llmdeploy.engine")
-MODEL_KEYS = ("dtype", "max_model_len")
+MODEL_KEYS = ("dtype", "max_model_len", "quantization")
+MAX_BODY_BYTES = 32 * 1024 * 1024  # = asgi.MAX_BODY_BYTES, not imported so that --help stays light
 
 
 def add_spec_option(parser: argparse.ArgumentParser, name: str, info: FieldInfo) -> None:
@@ -73,6 +80,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests may take to finish after SIGTERM (default: 30)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"request bodies over this get 413 (default: {MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, and its body (plus its size at 64 KiB/s), "
+        f"before the connection is closed (default: {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections beyond this are refused with 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    sla_default = SLASpec.model_fields["ttft_p99_ms"].default
+    p.add_argument(
+        "--ttft-sla-ms",
+        type=float,
+        default=sla_default,
+        help="the deployment's sla.ttft_p99_ms: first-token deadlines for scheduling count from it "
+        f"(default: {sla_default:g})",
+    )
     return p
 
 
@@ -80,7 +114,12 @@ def engine_config(args: argparse.Namespace) -> Any:
     from llmdeploy.engine.config import EngineConfig
 
     keys = (*MODEL_KEYS, *EngineSpec.model_fields)
-    return EngineConfig(model=args.model, base_dir=args.base_dir, **{k: getattr(args, k) for k in keys})
+    return EngineConfig(
+        model=args.model,
+        base_dir=args.base_dir,
+        ttft_sla_ms=args.ttft_sla_ms,
+        **{k: getattr(args, k) for k in keys},
+    )
 
 
 def log_startup(engine: Any, args: argparse.Namespace) -> None:
@@ -111,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from llmdeploy.engine.async_engine import AsyncLLMEngine
-    from llmdeploy.engine.server import run_server
     from llmdeploy.spec.sources import ModelSourceError
 
     try:
@@ -120,15 +158,39 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot load model %s: %s", args.model, exc)
         return 1
     log_startup(engine, args)
-    return run_server(
+    return run_server(engine, args, os.environ.get(ENGINE_TOKEN_ENV) or None)
+
+
+def run_server(engine: Any, args: argparse.Namespace, internal_token: str | None) -> int:
+    """Serve until SIGTERM/SIGINT, drain, stop the engine; the exit status (0 after a clean drain)."""
+    import uvicorn
+
+    from llmdeploy.engine.asgi import DrainingServer
+    from llmdeploy.engine.server import create_app
+    from llmdeploy.openai_api.guard import uvicorn_settings
+
+    app = create_app(
         engine,
         args.served_alias,
-        args.host,
-        args.port,
         log_bodies=args.log_bodies,
-        drain_timeout_s=args.drain_timeout,
-        log_level=args.log_level,
+        internal_token=internal_token,
+        max_body_bytes=args.max_body_bytes,
     )
+    limits = HTTPLimits(args.http_read_timeout, args.max_connections)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=max(1, round(args.drain_timeout)),
+        lifespan="on",
+        **uvicorn_settings(limits),
+    )
+    server = DrainingServer(config)
+    server.run()
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """HTTP/ASGI plumbing under the engine server, kept apart from the OpenAI request handling in server.py.
 
-None of it knows about the engine or OpenAI shapes; it exists so that server.py reads as the request flow only.
-What it has to get right: a request id on every response (pure ASGI, since BaseHTTPMiddleware would break
-streaming disconnects), a size cap checked before a body is read, disconnects that cancel the work they watch,
-and a SIGTERM drain that exits 0 rather than -15.
+None of it knows about the engine; it exists so that server.py reads as the request flow only. What it has to
+get right: a request id on every response, even when a bug escapes (pure ASGI, since BaseHTTPMiddleware would
+break streaming disconnects), the internal token a deployment's engine requires, a size cap enforced while a
+body is read, disconnects that cancel the work they watch, and a SIGTERM drain that exits 0 rather than -15.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
 import re
 import signal
@@ -22,8 +22,13 @@ from typing import Any, TypeVar
 import anyio
 import uvicorn
 from fastapi import Request
+from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
-from llmdeploy.openai_api.errors import invalid_json, invalid_request, payload_too_large
+from llmdeploy.openai_api import bodies
+from llmdeploy.openai_api.errors import invalid_request, payload_too_large, unauthorized_internal
+from llmdeploy.openai_api.guard import answer_unexpected
+from llmdeploy.openai_api.headers import ENGINE_TOKEN_HEADER
 
 log = logging.getLogger(
     "llmdeploy.engine.server"
@@ -53,27 +58,74 @@ class RequestIdMiddleware:
         rid = given if CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
 
+        started = False
+
         async def send_with_id(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # a bug: a 500 in OpenAI's shape with the id, logged once
+            await answer_unexpected(send_with_id, started, exc, f"engine request {rid}")
+
+
+# ---- the internal token -----------------------------------------------------------------------------------
+
+# the routes that take a prompt or do work; /health, /load and /metrics stay open for the supervisor and poller
+GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+
+
+class InternalTokenGuard:
+    """An engine the daemon started serves only its router: requests that do work must carry the token."""
+
+    def __init__(self, app: Any, token: str):
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PATHS):
+            given = dict(scope.get("headers") or []).get(ENGINE_TOKEN_HEADER.encode(), b"")
+            if not hmac.compare_digest(given, self.token):
+                return await unauthorized_internal().response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def install_plumbing(app: Any, internal_token: str | None) -> None:
+    """The request id outermost (even a 401 carries it), the token check inside it, and client-gone as 499."""
+
+    async def gone(request: Request, _: Exception) -> Response:
+        log.info("request %s: client disconnected while sending its body", request.state.request_id)
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientGone, gone)
+    if internal_token:
+        app.add_middleware(InternalTokenGuard, token=internal_token)
+    app.add_middleware(RequestIdMiddleware)
 
 
 # ---- bodies and disconnects -------------------------------------------------------------------------------
 
 
-async def read_object(request: Request) -> dict[str, Any]:
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise payload_too_large(MAX_BODY_BYTES)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise payload_too_large(MAX_BODY_BYTES)
+async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The JSON object of a request body: 415 for another Content-Type, 413 past `limit` (counted while it is
+    read, so a chunked body cannot grow without bound), 400 for anything that does not parse."""
+    bodies.check_content_type(request.headers.get("content-type"))
+    declared = request.headers.get("content-length") or ""
+    if declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(limit)
+    chunks, size = [], 0
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise invalid_json(str(exc)) from None
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    body = bodies.loads(b"".join(chunks))
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", code="invalid_body")
     return body

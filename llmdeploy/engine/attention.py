@@ -51,8 +51,12 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [N, H, D], k/v: [N, Hkv, D] -> [N, H, D]."""
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [N, H, D] over the cache, this step's K/V already stored in it."""
         ops = self.ops
-        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         p = meta.num_prefill_tokens
         parts = []
         if p:

@@ -57,8 +57,8 @@ class BlockManager:
 
     def _match(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix; at least one token is left to compute (it yields the logits)."""
-        if not self.prefix_caching:
-            return []
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits: nothing may be skipped
         bs, hit = self.block_size, []
         for i, h in enumerate(self._hashes(seq, (len(seq) - 1) // bs)):
             block_id = self.hash_to_block.get(h)

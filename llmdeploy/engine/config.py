@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from llmdeploy.spec.models import DeploymentSpec, EngineSpec
+from llmdeploy.spec.models import DeploymentSpec, EngineSpec, SLASpec
 
 ENGINE_KEYS = tuple(EngineSpec.model_fields)
 
@@ -24,18 +24,28 @@ class EngineConfig:
     device: str = "auto"
     kernel_backend: str = "auto"
     seed: int = 0
+    compile: bool = False  # engine.compile: torch.compile of the decoder layers on CPU
     base_dir: str | None = None  # relative model paths resolve against it (the YAML file's folder)
+    quantization: str = "none"  # model.quantization: none | int8 (weight-only, CPU)
+    # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
+    ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
 
     def __post_init__(self) -> None:
         # same rules as the YAML, so a config built in code fails the same way a spec would
         EngineSpec(**{k: getattr(self, k) for k in ENGINE_KEYS})
         assert self.max_model_len >= 1, "max_model_len must be >= 1"
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"
+        assert self.quantization in ("none", "int8"), f"unknown quantization {self.quantization}"
+        assert self.ttft_sla_ms > 0, "ttft_sla_ms must be > 0"
 
     @classmethod
     def from_spec(cls, spec: DeploymentSpec, base_dir: str | None = None, **overrides: Any) -> EngineConfig:
         kw: dict[str, Any] = dict(
-            model=spec.model.path, dtype=spec.model.dtype, max_model_len=spec.model.max_model_len
+            model=spec.model.path,
+            dtype=spec.model.dtype,
+            max_model_len=spec.model.max_model_len,
+            quantization=spec.model.quantization,
+            ttft_sla_ms=spec.sla.ttft_p99_ms,
         )
         kw.update({k: getattr(spec.engine, k) for k in ENGINE_KEYS})
         kw.update(base_dir=base_dir, **overrides)

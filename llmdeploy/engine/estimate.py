@@ -141,16 +141,24 @@ def read_gguf_shape(path: Path) -> ModelShape:
 
 
 def estimate(
-    spec: DeploymentSpec, shape: ModelShape, device: str, gpu_total_bytes: int | None = None
+    spec: DeploymentSpec,
+    shape: ModelShape,
+    device: str,
+    gpu_total_bytes: int | None = None,
+    cpu_bf16: str | None = None,
 ) -> Estimate:
-    """Pure: the figures for one replica of `spec` serving a model of `shape` on `device` (cpu | cuda)."""
+    """Pure: the figures for one replica of `spec` serving a model of `shape` on `device` (cpu | cuda).
+    `cpu_bf16`: the CPU's native bf16 matmul feature (avx512_bf16, amx_bf16), None when it has none."""
     notes: list[str] = []
     dtype = spec.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-        if device == "cpu":
+        if device == "cpu" and cpu_bf16 is None:
+            notes.append("dtype auto on this CPU: float32 (no native bf16 matmuls: avx512_bf16 or amx_bf16)")
+        elif device == "cpu":
             notes.append(
-                "dtype auto on CPU counted as float32; if the engine measures bfloat16 faster, it halves both"
+                f"dtype auto on this CPU ({cpu_bf16}): bfloat16 if the engine measures it at least 1.15x faster"
+                " at start, else float32; counted as float32 here (bfloat16 halves weights and KV)"
             )
     dtype_bytes = DTYPE_BYTES[dtype]
     weights = (shape.num_params or 0) * dtype_bytes or shape.file_bytes
@@ -206,5 +214,7 @@ def estimate_spec(spec: DeploymentSpec) -> Estimate:
         source = resolve_model_source(spec.model.path)
     except ModelSourceError as e:
         raise EstimateError(str(e)) from e
+    from llmdeploy.engine.cpu_dtype import bf16_flag, cpu_flags
+
     device, gpu_total = resolve_device(spec)
-    return estimate(spec, read_model_shape(source), device, gpu_total)
+    return estimate(spec, read_model_shape(source), device, gpu_total, bf16_flag(cpu_flags()))

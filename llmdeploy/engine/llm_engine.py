@@ -12,10 +12,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from llmdeploy.engine.block_manager import BlockManager
+from llmdeploy.engine.capabilities import engine_capabilities
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.detokenizer import Detokenizer
 from llmdeploy.engine.errors import ParamError, RequestFailedError
-from llmdeploy.engine.load_stats import RateMeter
+from llmdeploy.engine.guided import GrammarBackend
+from llmdeploy.engine.load_stats import StepCostMeter
 from llmdeploy.engine.loader import LoadedModel
 from llmdeploy.engine.model_runner import ModelRunner
 from llmdeploy.engine.outputs import (
@@ -25,10 +27,14 @@ from llmdeploy.engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from llmdeploy.engine.prompt_size import measure_prompt_size
+from llmdeploy.engine.resources import process_usage
 from llmdeploy.engine.sampler import Sampler
 from llmdeploy.engine.sampling_params import SamplingParams
-from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler, long_prefill_limits
+from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.engine.ttft_model import PendingPrompt, QueueView, deadline_ladder, ttft_by_class, ttft_ladder
+from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
 
@@ -54,20 +60,23 @@ class LLMEngine:
         self.config = replace(config, max_model_len=self.runner.max_model_len)
         self.tokenizer, self.arch = self.runner.loaded.tokenizer, self.runner.arch
         self.eos_token_ids = set(self.arch.eos_token_ids)
+        self.prompt_size = measure_prompt_size(self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
-        long = long_prefill_limits(config.max_num_batched_tokens, self.runner.rates.prefill_s_per_token)
+        self.cost = StepCostMeter(self.runner.calibration, self.runner.attn_cost_context)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.runner.max_model_len,
             attn_cost_context=self.runner.attn_cost_context,
-            long_prefill_threshold=long.threshold,
-            long_prefill_budget=long.budget,
-            long_prefill_budget_alone=long.budget_alone,
+            cost=self.cost.current(),  # deadlines and long-prefill limits follow the live fit (step: set_cost)
+            ttft_sla_s=config.ttft_sla_ms / 1e3,
         )
         self.sampler = Sampler(config.seed, self.runner.device)
-        self.rates = RateMeter(self.runner.rates.prefill_s_per_token, self.runner.rates.decode_step_s)
+        self.guided = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        self.capabilities = engine_capabilities(self.tokenizer, self.runner.max_model_len)
+        self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
+        self.step_expected_s = 0.0
         self.requests: dict[str, Request] = {}
         self.lock = threading.RLock()
         self.stream = True  # build outputs of unfinished requests too (LLM.generate only needs the last one)
@@ -82,6 +91,7 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ParamError / ContextLengthError / CapacityError for what could never be served."""
         params.validate()
+        self.guided.check(params)  # a bad schema or logit_bias token is a 400 before queueing
         if not prompt_token_ids:
             raise ParamError("prompt", "The prompt is empty.")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
@@ -103,6 +113,8 @@ class LLMEngine:
         if check:
             self.check_request(prompt_token_ids, params)
         seq = Sequence(prompt_token_ids, params, request_id)
+        if params.guided is not None:
+            seq.guided = self.guided.new_state(params.guided)
         if params.seed is not None:
             seq.generator = self.sampler.make_generator(params.seed)
         req = Request(
@@ -112,7 +124,8 @@ class LLMEngine:
             if request_id in self.requests:
                 raise ParamError("request_id", f"Request id {request_id!r} is already in use.")
             self.requests[request_id] = req
-            self.scheduler.add(seq)
+            waited = max(0.0, time.time() - req.metrics.arrival_time)  # its deadline counts from its arrival
+            self.scheduler.add(seq, arrival=self.scheduler.clock() - waited)
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
@@ -139,19 +152,26 @@ class LLMEngine:
             if batch.is_empty:
                 return []
             self._on_scheduled(batch)
-        t0 = time.perf_counter()
+            attn = self.scheduler.attn_cost_context
+            prefill_cost = sum(chunk_cost(s.num_computed_tokens, n, attn) for s, n in batch.prefills)
+            self.step_expected_s = self.cost.current().step_s(prefill_cost, len(batch.decodes))
+            self.step_started = t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch)
             tokens, logprobs = self.sampler(logits, batch.samples, self.arch.eos_token_ids)
         except Exception as exc:  # a model error fails this batch's requests; the engine keeps serving
             log.exception("step failed; failing %d request(s)", len({s.request_id for s, _ in batch.samples}))
             with self.lock:
+                self.step_started = None
                 self._fail_batch(batch, exc)
             return []
         step_s = time.perf_counter() - t0
         with self.lock:
+            self.step_started = None
+            _record_prompt_logprobs(batch, self.runner.prompt_logprobs)
             self.scheduler.postprocess(batch)
-            self.rates.observe(batch.num_prefill_tokens, len(batch.decodes), step_s)
+            self.cost.observe(prefill_cost, len(batch.decodes), step_s)
+            self.scheduler.set_cost(self.cost.current())
             return self._process(batch, tokens, logprobs)
 
     def _on_scheduled(self, batch: ScheduledBatch) -> None:
@@ -179,6 +199,8 @@ class LLMEngine:
                 continue  # aborted during the forward
             try:
                 seq.append(token)
+                if seq.guided is not None:
+                    seq.guided.accept(token)  # the grammar follows the output (engine/guided.py)
                 if lp is not None:
                     seq.logprobs.append(lp)
                 reason = self._finish_reason(seq, token)
@@ -250,8 +272,19 @@ class LLMEngine:
                     delta_logprobs=lps[start:] if lps is not None else None,
                 )
             )
-        cached = req.seqs[0].num_cached_tokens
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, cached, _copy(req.metrics))
+        first = req.seqs[0]
+        prompt_lps = first.prompt_logprobs
+        if prompt_lps is not None and len(prompt_lps) < first.num_prompt_tokens:
+            prompt_lps = None  # the prompt is not all prefilled yet
+        return RequestOutput(
+            req.request_id,
+            req.prompt_token_ids,
+            outs,
+            finished,
+            first.num_cached_tokens,
+            _copy(req.metrics),
+            list(prompt_lps) if prompt_lps is not None else None,
+        )
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         self.requests.pop(req.request_id, None)
@@ -296,33 +329,92 @@ class LLMEngine:
         )
 
     def load(self, ready: bool = True) -> dict:
+        """The /load JSON (docs/CONTRACTS.md section 4): queue, KV room, the step-cost model and the predicted
+        TTFT by prompt length under the current queue."""
         with self.lock:
             sch, bm = self.scheduler, self.block_manager
-            pending = sch.pending_prefill_tokens()
-            slots_full = sum(sch.slots(s) for s in sch.running) >= sch.max_num_seqs
-            remaining = [(s.max_len or self.runner.max_model_len) - len(s) for s in sch.running]
-            wait_s = self.rates.predicted_wait_s(
-                pending, slots_full and bool(sch.waiting), min(remaining, default=0)
-            )
-            stats = self.stats()
+            cost = self.cost.current()
+            queue = self.queue_view()
+            stats = self._stats()
+            ladder = ttft_ladder(queue, cost, self.runner.max_model_len)
+            typical = cost.step_s(256.0) / 256.0
             return {
                 "waiting": stats.waiting,
                 "running": stats.running,
+                "decoding": queue.decoding,
                 "free_blocks": bm.num_free_blocks,
                 "total_blocks": bm.num_blocks,
                 "block_size": bm.block_size,
-                "pending_prefill_tokens": pending,
-                "prefill_tokens_per_s": round(self.rates.prefill_tokens_per_s, 1),
-                "decode_tokens_per_s": round(
-                    self.rates.decode_tokens_per_s or 1.0 / self.rates.decode_step_s, 1
+                "pending_prefill_tokens": sch.pending_prefill_tokens(),
+                "prefill_tokens_per_s": round(1.0 / typical, 1) if typical > 0 else 0.0,
+                "decode_tokens_per_s": round(max(1, queue.decoding) / cost.decode_step_s(queue.decoding), 1),
+                # before this prompt's own step starts: the 1-token prediction less an idle engine's step
+                "predicted_queue_wait_ms": round(
+                    max(0.0, ladder[0][1] - cost.conservative(cost.step_s(1.0)) * 1e3), 1
                 ),
-                "predicted_queue_wait_ms": round(wait_s * 1000.0, 1),
+                "ttft_ms_by_prompt_len": ladder,
+                "ttft_sla_ms": round(sch.ttft_sla_s * 1e3, 1),
+                "deadline_ms_by_prompt_len": deadline_ladder(queue, cost, self.runner.max_model_len),
+                "ttft_by_class": ttft_by_class(queue, cost, self.runner.max_model_len),
+                "step_cost": cost.to_json(),
+                "prompt_size": self.prompt_size.to_json(),
+                "decode_step_ms_by_batch": {
+                    str(b): round(t * 1e3, 2) for b, t in sorted(self.cost.decode_step_s.items())
+                },
+                "max_num_batched_tokens": sch.max_num_batched_tokens,
                 "kv_usage": round(bm.usage, 4),
                 "max_model_len": self.runner.max_model_len,
                 "max_num_seqs": sch.max_num_seqs,
                 "num_preemptions": sch.num_preemptions,
                 "ready": ready,
+                "capabilities": self.capabilities.to_json(),
+                "dtype": str(self.runner.dtype).removeprefix("torch."),
+                "dtype_reason": self.runner.loaded.dtype_reason,
+                "quantization": self.runner.loaded.quantization,
+                "resources": process_usage(self.runner.device).to_json(),  # RSS, device memory: watermarks
             }
+
+    def queue_view(self) -> QueueView:
+        """The scheduler's state as the TTFT model reads it (under the lock)."""
+        sch, now = self.scheduler, self.scheduler.clock()
+        pending = tuple(
+            PendingPrompt(s.num_uncomputed, s.num_computed_tokens, sch.is_long(s), sch.deadline(s) - now)
+            for s in [*sch.waiting, *(s for s in sch.running if s.num_uncomputed > 1)]
+        )
+        decoding = sum(1 for s in sch.running if s.num_uncomputed <= 1)
+        used = sum(sch.slots(s) for s in sch.running) + sum(sch.slots(s) for s in sch.waiting)
+        remaining = [(s.max_len or self.runner.max_model_len) - len(s) for s in sch.running]
+        cost = self.cost.current()
+        in_progress = 0.0
+        if self.step_started is not None:
+            in_progress = max(0.0, self.step_expected_s - (time.perf_counter() - self.step_started))
+        return QueueView(
+            pending=pending,
+            decoding=decoding,
+            budget=sch.max_num_batched_tokens,
+            long_threshold=sch.long_prefill_threshold,
+            long_budget=int(
+                min(sch.long_prefill_budget or sch.max_num_batched_tokens, sch.max_num_batched_tokens)
+            ),
+            long_budget_alone=int(min(sch.long_prefill_budget_alone, sch.max_num_batched_tokens)),
+            free_slots=max(0, sch.max_num_seqs - used),
+            slot_wait_s=min(remaining, default=0) * cost.decode_step_s(max(1, decoding)),
+            step_remaining_s=in_progress,
+            ttft_sla_s=sch.ttft_sla_s,
+        )
+
+
+def _record_prompt_logprobs(batch: ScheduledBatch, found: dict[int, list[TokenLogprob]]) -> None:
+    """Append each chunk's prompt logprobs to its sequence, once per position (a preempted sequence computes its
+    prompt again; what it had recorded stays)."""
+    for seq, _ in batch.prefills:
+        lps = found.get(seq.seq_id)
+        if lps is None or seq.prompt_logprobs is None:
+            continue
+        first_position = seq.num_computed_tokens + 1  # before postprocess: where this chunk started, + 1
+        have = len(seq.prompt_logprobs)
+        if have >= first_position:
+            seq.prompt_logprobs.extend(lps[have - first_position :])
 
 
 def _copy(m: RequestMetrics) -> RequestMetrics:

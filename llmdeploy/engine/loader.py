@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,20 +16,23 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import onednn_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
 from llmdeploy.engine.rope import rope_inv_freq
-from llmdeploy.engine.weights_cache import ensure_converted
+from llmdeploy.engine.weights_cache import cache_root, ensure_converted
 from llmdeploy.kernels import resolve_backend
 from llmdeploy.spec.sources import ModelSource, resolve_model_source
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What "auto" means per device; bench/forward_cpu.py measured the CPU choice (see bench/RESULTS.md).
+# What "auto" means per device when the model's shape is not known; with it, a CPU with native bf16 matmuls that
+# are measured faster gets bfloat16 (engine/cpu_dtype.py).
 AUTO_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 COMPILE_BY_DEFAULT = False
+QUANTIZATIONS = ("none", "int8")  # model.quantization: weight-only, per output channel, CPU
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     source: ModelSource
+    dtype_reason: str = ""  # why this dtype: asked for, or what `auto` found on this machine
+    quantization: str = "none"  # model.quantization: "int8" = int8 weights with per-channel scales
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -61,13 +67,27 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    return resolve_dtype_for(dtype, device)[0]
+
+
+def resolve_dtype_for(
+    dtype: str | torch.dtype, device: torch.device, config: PretrainedConfig | None = None
+) -> tuple[torch.dtype, str]:
+    """-> (dtype, why). `auto` on CPU with the model's config: bfloat16 where the CPU has native bf16 matmuls and
+    they are measured faster at the model's projection shape, float32 elsewhere."""
     if isinstance(dtype, torch.dtype):
-        return dtype
+        return dtype, "asked for"
     if dtype == "auto":
-        return AUTO_DTYPE.get(device.type, torch.float32)
+        if device.type == "cpu" and config is not None:
+            choice = choose_cpu_dtype(
+                config.hidden_size, getattr(config, "intermediate_size", config.hidden_size)
+            )
+            return choice.dtype, choice.reason
+        chosen = AUTO_DTYPE.get(device.type, torch.float32)
+        return chosen, f"auto: {str(chosen).removeprefix('torch.')} on {device.type}"
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return DTYPES[dtype], "asked for"
 
 
 def load_model(
@@ -77,7 +97,11 @@ def load_model(
     device: str | torch.device = "cpu",
     kernel_backend: str = "torch",
     base_dir: str | Path | None = None,
+    quantization: str = "none",
+    compile: bool | None = None,
 ) -> LoadedModel:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
     folder = source.path if source.kind == "hf" else ensure_converted(source.path)
     raw = json.loads((folder / "config.json").read_text())
@@ -85,7 +109,10 @@ def load_model(
     config = AutoConfig.from_pretrained(folder)
     rope_inv_freq(config, head_dim_of(config))  # an unsupported rope type fails before the weights load
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    if quantization != "none" and dev.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on CPU only (device {dev.type})")
+    torch_dtype, dtype_reason = resolve_dtype_for(dtype, dev, config)
+    log.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), dtype_reason)
     backend = resolve_backend(kernel_backend, dev.type)
     if dev.type == "cpu":
         keep_freed_memory_in_heap()
@@ -95,10 +122,28 @@ def load_model(
         model.load_weights(iter_safetensors(folder))
     model.finish_loading(dev)
     model.eval().requires_grad_(False)
-    speed_up(model, dev, torch_dtype, backend)
+    speed_up(model, dev, torch_dtype, backend, quantization, compile)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     arch = model_arch(config, max_positions, eos_token_ids(folder, config, tokenizer))
-    return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source)
+    return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source, dtype_reason, quantization)
+
+
+# what nn.Linear, nn.Embedding and the norms' reset_parameters call
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+
+
+@contextmanager
+def skip_param_init() -> Iterator[None]:
+    """No random init for parameters the checkpoint overwrites: on meta tensors it runs torch's Python reference
+    ops, whose first use imports torch._dynamo (about 1.5 s at every engine start)."""
+    saved = {name: getattr(torch.nn.init, name) for name in INIT_FUNCTIONS}
+    for name in INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def build_model(
@@ -113,29 +158,59 @@ def build_model(
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), skip_param_init():
             model = cls(config, backend, max_positions)
     finally:
         torch.set_default_dtype(previous)
     return model.to_empty(device=device)
 
 
-def speed_up(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, backend: str) -> None:
-    """CPU: oneDNN-packed projections (bench/RESULTS.md), or torch.compile of the layers when asked for
-    (inductor cannot lower the packed ops, so it is one or the other)."""
-    if use_compile(device, backend):
-        model.compile_layers()
-    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available():
+def speed_up(
+    model: torch.nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    quantization: str = "none",
+    compile: bool | None = None,
+) -> None:
+    """CPU: int8 projections when asked for (model.quantization), else oneDNN-packed projections
+    (bench/RESULTS.md); then torch.compile of the decoder layers when asked for (engine.compile), its code cached
+    on disk (inductor_cache_dir)."""
+    if quantization == "int8":
+        model.quantize_int8()
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
         model.pack_for_cpu()
+    if use_compile(device, backend, compile):
+        use_inductor_cache_dir()
+        model.compile_layers()
 
 
-def use_compile(device: torch.device, backend: str) -> bool:
-    """LLMDEPLOY_COMPILE=1/0 forces torch.compile of the layers on or off; the default is what
-    bench/forward_cpu.py measured best (CPU with the reference ops only: Triton kernels are already fused)."""
+def inductor_cache_dir() -> Path:
+    """Where inductor keeps compiled code (its FX graph cache): under the llmdeploy cache, so that a restart of
+    the engine loads the compiled layers instead of compiling them again."""
+    return cache_root() / "inductor"
+
+
+def use_inductor_cache_dir() -> None:
+    """Points inductor at inductor_cache_dir() unless TORCHINDUCTOR_CACHE_DIR was set by the user. torch sets the
+    variable to its /tmp default itself on first use (importing torch.library does), so that value counts as
+    unset; inductor reads the variable each time it looks for its cache."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+
+
+def use_compile(device: torch.device, backend: str, requested: bool | None = None) -> bool:
+    """LLMDEPLOY_COMPILE=1/0 forces torch.compile of the layers on or off; otherwise engine.compile, whose
+    default is what bench/compile_start.py measured (CPU with the reference ops only: Triton kernels are already
+    fused)."""
     flag = os.environ.get("LLMDEPLOY_COMPILE", "")
     if flag in ("0", "1"):
         return flag == "1"
-    return COMPILE_BY_DEFAULT and device.type == "cpu" and backend == "torch"
+    wanted = COMPILE_BY_DEFAULT if requested is None else requested
+    return wanted and device.type == "cpu" and backend == "torch"
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -127,6 +127,39 @@ class EngineStatsCollector(Collector):
             yield family
 
 
+# (metric name without prefix, ResourceUsage field, help): the process's watermarks (engine/resources.py);
+# a device figure the engine cannot read (CPU, no NVML) is left out rather than reported as 0
+RESOURCE_METRICS: list[tuple[str, str, str]] = [
+    ("process_resident_memory_bytes", "rss_bytes", "Resident memory of the engine process."),
+    (
+        "process_peak_resident_memory_bytes",
+        "peak_rss_bytes",
+        "Peak resident memory since the engine started.",
+    ),
+    ("host_memory_total_bytes", "host_memory_total_bytes", "Physical memory of the machine."),
+    ("device_memory_bytes", "device_memory_bytes", "GPU memory the engine holds (CUDA caching allocator)."),
+    ("device_peak_memory_bytes", "device_peak_memory_bytes", "Peak GPU memory the engine held."),
+    ("device_memory_total_bytes", "device_memory_total_bytes", "GPU memory of the engine's device."),
+    ("gpu_utilization_perc", "gpu_utilization", "GPU utilisation, 0..1 (NVML; needs nvidia-ml-py)."),
+]
+
+
+class ResourceCollector(Collector):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        from llmdeploy.engine.resources import process_usage
+
+        usage = process_usage()
+        for name, attr, doc in RESOURCE_METRICS:
+            value = getattr(usage, attr)
+            if value is not None:
+                family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+                family.add_metric([self.model_name], float(value))
+                yield family
+
+
 class ServerMetrics:
     """A per-app registry (several apps in one test process must not share the global one)."""
 
@@ -134,6 +167,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(ResourceCollector(model_name))
 
         def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(

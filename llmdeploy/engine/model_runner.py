@@ -10,21 +10,24 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from llmdeploy.engine.attention import AttentionMetadata
 from llmdeploy.engine.config import EngineConfig
+from llmdeploy.engine.cuda_graphs import capture_decode_graphs
 from llmdeploy.engine.errors import CapacityError
+from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.loader import LoadedModel, load_model
-from llmdeploy.engine.outputs import Capacity
+from llmdeploy.engine.outputs import Capacity, TokenLogprob
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
 GiB = 1 << 30
+PROMPT_LOGPROB_ROWS = 128  # prompt positions scored at once: [128, vocab] float32 logits at most
 CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other kernels' workspaces
 # How fast the torch reference attention runs per FLOP, relative to the projections, by dtype. Measured on SmolLM2-135M
 # (2 threads, 2026-11-30): a chunk of n tokens after c cached ones took n x 0.71 ms x (1 + c / 1000) in float32 and
@@ -48,12 +51,6 @@ def release_openmp_workers() -> bool:
         return False
 
 
-@dataclass
-class WarmupRates:
-    prefill_s_per_token: float
-    decode_step_s: float
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
@@ -63,8 +60,11 @@ class ModelRunner:
             device=config.device,
             kernel_backend=config.kernel_backend,
             base_dir=config.base_dir,
+            quantization=config.quantization,
+            compile=config.compile,
         )
         self.model, self.arch = self.loaded.model, self.loaded.arch
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # of the last run(): seq_id -> its chunk's
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.block_size = config.block_size
         ops = {layer.ops.__name__ for layer in self.model.attention_layers()}
@@ -78,9 +78,11 @@ class ModelRunner:
                 self.arch.max_position_embeddings,
                 self.max_model_len,
             )
-        self.rates = self.warmup()
+        self.decode_graphs = None  # captured after the KV cache exists (warm-up runs eager)
+        self.calibration = self.warmup()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.decode_graphs = capture_decode_graphs(self)  # CUDA only (engine/cuda_graphs.py)
         release_openmp_workers()
         self.capacity = Capacity(
             self.num_blocks,
@@ -164,40 +166,49 @@ class ModelRunner:
         return kv
 
     @torch.inference_mode()
-    def warmup(self) -> WarmupRates:
-        """A prefill at the step budget (peak activation memory on CUDA), timed on its second run, and one decode,
-        on a scratch cache: the rate estimates /load gives before real steps are measured, and what the scheduler
-        sizes long prompts' chunks by."""
+    def warmup(self) -> list[CostPoint]:
+        """Measured steps on a scratch cache: a prefill at the step budget (peak activation memory on CUDA; its
+        first run pays one-time setup and is not timed), a short prefill, and decodes at batch 1 and wider. They
+        calibrate the step-cost model (engine/load_stats.py) before real steps are seen."""
         cuda = self.device.type == "cuda"
         budget = self.config.max_num_batched_tokens if cuda else min(self.config.max_num_batched_tokens, 256)
         seq_len = min(budget, self.max_model_len)
+        wide = max(1, min(8, self.config.max_num_seqs))
+        n_long = -(-budget // seq_len)
         seqs = [
-            Sequence([i % self.arch.vocab_size for i in range(seq_len)]) for _ in range(-(-budget // seq_len))
+            Sequence([i % self.arch.vocab_size for i in range(seq_len)]) for _ in range(max(n_long, wide))
         ]
-        nb = sum(-(-len(s) // self.block_size) for s in seqs)
+        per_seq = -(-seq_len // self.block_size)
         for i, s in enumerate(seqs):
-            s.block_table = list(range(i * (nb // len(seqs)), (i + 1) * (nb // len(seqs))))
-        scratch = self.allocate_kv_cache(nb)
+            s.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+        scratch = self.allocate_kv_cache(per_seq * len(seqs))
         if cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        prefill = ScheduledBatch(prefills=[(s, len(s)) for s in seqs]).finalize()
+        prefill = ScheduledBatch(prefills=[(s, len(s)) for s in seqs[:n_long]]).finalize()
         widest = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.run(prefill, num_logit_rows=widest)  # the first call also pays one-time setup: not timed
-        sync = torch.cuda.synchronize if cuda else (lambda device: None)
-        sync(self.device)
-        t0 = time.perf_counter()
-        self.run(prefill, num_logit_rows=widest)
-        sync(self.device)
-        t1 = time.perf_counter()
+        short = min(16, seq_len)
+        points = [
+            self._timed(prefill, budget, 0, num_logit_rows=widest),
+            self._timed(ScheduledBatch(prefills=[(seqs[-1], short)]).finalize(), short, 0),
+        ]
         for s in seqs:
             s.num_computed_tokens = len(s) - 1
-        decode = ScheduledBatch(decodes=seqs[:1]).finalize()
-        self.run(decode)
-        sync(self.device)
-        t2 = time.perf_counter()
+        for batch in (1, wide):
+            points.append(self._timed(ScheduledBatch(decodes=seqs[:batch]).finalize(), 0, batch))
         del scratch
-        return WarmupRates(max(t1 - t0, 1e-6) / budget, max(t2 - t1, 1e-6))
+        return points
+
+    def _timed(self, batch: ScheduledBatch, prefill_tokens: int, decodes: int, **kw) -> CostPoint:
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.run(batch, **kw)
+        sync(self.device)
+        ctx = sum(s.num_computed_tokens for s, _ in batch.prefills)
+        tokens = chunk_cost(ctx, prefill_tokens, self.attn_cost_context) if prefill_tokens else 0.0
+        return CostPoint(tokens, decodes, max(time.perf_counter() - t0, 1e-6))
 
     # one step
     @torch.inference_mode()
@@ -206,10 +217,44 @@ class ModelRunner:
         if batch.blocks_to_copy:
             self.copy_blocks(batch.blocks_to_copy)
         input_ids, positions, meta, logit_idx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = None
+        if self.decode_graphs is not None and not num_logit_rows:
+            hidden = self.decode_graphs.forward(
+                input_ids, positions, meta
+            )  # None: not a captured decode step
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta)
         if num_logit_rows:  # warm-up: the widest logits a step can ask for
             logit_idx = torch.arange(min(num_logit_rows, hidden.shape[0]), device=self.device)
+        self.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         return self.model.compute_logits(hidden[logit_idx])
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """seq_id -> the logprobs of the prompt tokens this step's chunk predicts (echo with logprobs). Each
+        chunk row at position p scores prompt token p + 1; rows go through the head in slices so a long chunk
+        never holds [chunk, vocab] logits at once."""
+        out: dict[int, list[TokenLogprob]] = {}
+        row = 0
+        for seq, n in batch.prefills:
+            k = seq.params.prompt_logprobs
+            start = seq.num_computed_tokens
+            scored = min(n, seq.num_prompt_tokens - 1 - start)  # the last prompt token scores a new one
+            if k is not None and scored > 0:
+                targets = seq.token_ids[start + 1 : start + 1 + scored]
+                out[seq.seq_id] = self._score(hidden[row : row + scored], targets, k)
+            row += n
+        return out
+
+    def _score(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        lps: list[TokenLogprob] = []
+        for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logp = torch.log_softmax(self.model.compute_logits(hidden[i : i + PROMPT_LOGPROB_ROWS]), dim=-1)
+            ids = torch.tensor(targets[i : i + PROMPT_LOGPROB_ROWS], device=logp.device)
+            chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+            top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+            for t, c, tv, ti in zip(ids.tolist(), chosen, top_v.tolist(), top_i.tolist(), strict=True):
+                lps.append(TokenLogprob(t, c, list(zip(ti, tv, strict=True))))
+        return lps
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)

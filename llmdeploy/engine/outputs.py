@@ -48,6 +48,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # echo with logprobs: one per prompt token, None for the first; complete once the prompt is prefilled
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

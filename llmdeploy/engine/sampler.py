@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from llmdeploy.engine.guided import apply_logit_rules, needs_logit_rules
 from llmdeploy.engine.outputs import TokenLogprob
 from llmdeploy.engine.sequence import Sequence
 
@@ -33,7 +34,11 @@ class Sampler:
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         plain = all(
-            s.params.greedy and not s.params.has_penalties and not self._min_tokens_active(s) for s in seqs
+            s.params.greedy
+            and not s.params.has_penalties
+            and not self._min_tokens_active(s)
+            and not needs_logit_rules(s)
+            for s in seqs
         )
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         if plain and not want_logprobs:  # fast path: no copies, no sort
@@ -42,6 +47,8 @@ class Sampler:
         logits = logits.clone()
         self._apply_penalties(logits, seqs)
         self._mask_stops(logits, seqs, eos_token_ids)
+        if any(needs_logit_rules(s) for s in seqs):
+            apply_logit_rules(logits, seqs)  # logit_bias and grammar masks (engine/guided.py)
         tokens = logits.argmax(-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if random_rows:
@@ -104,7 +111,8 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         sorted_logits, order = logits.sort(-1, descending=True)
         ranks = torch.arange(vocab, device=dev)[None, :]
-        k = torch.tensor([t if t > 0 else vocab for t in top_k], device=dev)[:, None]
+        # any integer is a valid top_k (2**70 too: OpenAI-style APIs do not bound it); beyond the vocabulary it is off
+        k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k], device=dev)[:, None]
         drop = ranks >= k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the better tokens; the best one is always kept

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmdeploy.engine.errors import ParamError
+from llmdeploy.engine.guided import GuidedSpec
 
 MAX_LOGPROBS = 20
+# OpenAI documents `seed` as a 64-bit signed integer; torch.manual_seed overflows (a 500) outside about this range
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 forces it
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them only overflows)
 
 
@@ -27,8 +31,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob plus the top k
+    prompt_logprobs: int | None = None  # echo with logprobs: each prompt token's logprob plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's logit_bias)
+    guided: GuidedSpec | None = None  # constrained decoding: the output matches this grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,7 +62,16 @@ class SamplingParams:
                 "must be -1 (off) or a positive integer",
             ),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            (
+                "seed",
+                self.seed is None
+                or (
+                    isinstance(self.seed, int)
+                    and not isinstance(self.seed, bool)
+                    and SEED_MIN <= self.seed <= SEED_MAX
+                ),
+                f"must be an integer in [{SEED_MIN}, {SEED_MAX}]",
+            ),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be between -2 and 2"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be between -2 and 2"),
             ("repetition_penalty", 0 < self.repetition_penalty <= 10, "must be in (0, 10]"),
@@ -89,6 +105,26 @@ class SamplingParams:
                 self.logprobs is None
                 or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 f"must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                "logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                "logit_bias",
+                self.logit_bias is None
+                or all(
+                    isinstance(t, int) and t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                    for t, b in self.logit_bias.items()
+                ),
+                f"token ids must be >= 0 and biases between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}",
+            ),
+            (
+                "ignore_eos",
+                not (self.ignore_eos and self.guided is not None),
+                "cannot be combined with constrained decoding (the grammar ends the output)",
             ),
         ]
         for param, ok, message in checks:

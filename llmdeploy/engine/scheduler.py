@@ -2,18 +2,23 @@
 
 Every step: decodes first (one token per running sequence whose prompt is done), then the rest of the token
 budget (max_num_batched_tokens) goes to prefill chunks, so a running decode waits at most one chunk.
-Several partial prefills may share a step. Prefill order is shortest-remaining-prefill-first (short prompts
-get their first token quickly even behind a 10k-token prompt) with an age bound: a sequence that has gone
-`aging_steps` steps in a row without prefill progress goes first, oldest first, so a long prompt gets a chunk at
-least that often however many short ones arrive, yet does not crowd them out while it progresses.
+Several partial prefills may share a step.
+
+Prefill order is earliest deadline first. Each request gets a first-token deadline at arrival from its own prefill
+cost (the live step-cost model) and the SLA (llmdeploy/policies/deadline.py: at most twice its own prefill, capped
+by the SLA, scaled for prompts whose own prefill alone exceeds it). A short prompt's deadline is near, so it
+overtakes a long prompt that arrived earlier; a long prompt that has waited long enough has the earliest deadline
+and goes first whatever arrives, so neither class starves. Preempted sequences go back first.
 
 A short request's TTFT is the rest of the step running when it arrives plus its own step, so both stay short:
-- With `long_prefill_threshold` set, a prompt with more uncomputed tokens than that at admission is long (as in
-  vLLM's long_prefill_token_threshold). While other work is in the engine, all long prompts' chunks of one step
-  together cost at most `long_prefill_budget` (default: the threshold), so no step is longer than a short prompt's
-  own; long prompts come after short ones in the prefill order.
-- A step that completes some prompt carries no partial chunk and no long prompt's chunk (unless aged): the steps
-  that produce first tokens stay short.
+- A prompt with more uncomputed tokens than `long_prefill_threshold` at admission is long (as in vLLM's
+  long_prefill_token_threshold). All long prompts' chunks of one step together cost at most `long_prefill_budget`
+  (`long_prefill_budget_alone` with nothing else in the engine): the step-time bound, 3/4 of what a short prompt's
+  prefill adds to a step (llmdeploy/engine/prefill_limits.py). The limits follow the live step-cost model
+  (`set_cost`).
+- A chunk that does not complete its prompt (a long prompt's, or a short one's that does not fit) joins a step
+  that completes prompts ahead of it in the order only within their deadlines: the step must still end before the
+  earliest of them. Work that is more urgent than those prompts comes before them anyway.
 - Costs count attention (`attn_cost_context`): a token at context c costs about (1 + c / attn_cost_context)
   tokens, so late chunks of a long prompt shrink and every step stays about as long as its cost in fresh tokens.
 Out of blocks: preemption by recompute; the victim is the most recently admitted sequence, which has the least
@@ -23,11 +28,16 @@ work to lose; it goes back to the front of the queue.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmdeploy.engine.block_manager import BlockManager
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
+from llmdeploy.engine.prefill_limits import LongPrefillLimits, limits_for_cost, moved
 from llmdeploy.engine.sequence import Sequence, SequenceStatus
+from llmdeploy.policies.deadline import DEFAULT_TTFT_SLA_S, relative_deadline_s
+from llmdeploy.policies.step_cost import StepCost, chunk_cost
 
 
 def chunk_within_cost(context: int, budget: float, attn_cost_context: float) -> int:
@@ -36,48 +46,13 @@ def chunk_within_cost(context: int, budget: float, attn_cost_context: float) -> 
     return max(1, int(r * (math.sqrt(a * a + 2 * budget / r) - a)))
 
 
-# A long prompt's chunks may add about this much compute to a step: a short request that arrives meanwhile waits
-# for the rest of that step before its own runs. That is about one short prompt's prefill on the 2-core CPU (128
-# tokens: 0.09 s); on a GPU the budget fractions bind long before it.
-LONG_PREFILL_STEP_S = 0.1
-
-
-@dataclass(frozen=True)
-class LongPrefillLimits:
-    threshold: int  # more uncomputed prompt tokens than this at admission: a long prompt
-    budget: int  # long prompts' chunks of one step together, while other work is in the engine
-    budget_alone: int  # the same with nothing else in the engine (a short one may arrive mid-step)
-
-
-def long_prefill_limits(max_num_batched_tokens: int, prefill_s_per_token: float) -> LongPrefillLimits:
-    """Long is over half the step budget, and long chunks get 3/8 of it while others run (bench/mixed_ttft.py,
-    budget 256: 1/2 gave short p99 TTFT 2.1-3.5x their TTFT alone, 3/8 1.9-2.5x, 1/4 1.8-2.3x but long prompts'
-    TTFT up to 5.4 s instead of 3.5 s) -- each capped by time at the measured prefill rate, so that a large
-    budget on a slow device (2048 tokens: 1.6 s a step on the CPU) cannot make a short request wait for seconds."""
-    b = max_num_batched_tokens
-    in_step = max(1, int(LONG_PREFILL_STEP_S / max(prefill_s_per_token, 1e-9)))
-    return LongPrefillLimits(
-        threshold=max(1, min(b // 2, 2 * in_step)),
-        budget=max(1, min(3 * b // 8, in_step)),
-        budget_alone=min(b, in_step),
-    )
-
-
-def chunk_cost(context: int, n: int, attn_cost_context: float | None) -> float:
-    """A chunk of n tokens after `context` cached ones, in fresh-token equivalents."""
-    return n * (1 + (context + n / 2) / attn_cost_context) if attn_cost_context else float(n)
-
-
 @dataclass
 class ScheduledBatch:
-    prefills: list[tuple[Sequence, int]] = field(
-        default_factory=list
-    )  # (seq, chunk tokens from num_computed)
+    # (seq, chunk tokens from num_computed)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)  # one token each (the last one)
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child) made this step
-    blocks_to_copy: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # copy-on-write (src, dst) before the step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) first
     preempted: list[Sequence] = field(default_factory=list)
     logit_seqs: list[Sequence] = field(default_factory=list)
     samples: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -105,6 +80,20 @@ class ScheduledBatch:
         return self
 
 
+@dataclass
+class _StepSoFar:
+    """The step being built: the budgets left, what its prefill chunks cost so far (fresh-token equivalents), and
+    when the first tokens it yields are due (the earliest deadline among the prompts it completes)."""
+
+    now: float
+    decodes: int
+    budget: int  # tokens
+    long_budget: float  # long prompts' chunks, cost
+    crowded: bool  # other work is in the engine
+    prefill_cost: float = 0.0
+    finish_by: float = math.inf
+
+
 class Scheduler:
     def __init__(
         self,
@@ -112,27 +101,59 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        aging_steps: int = 16,
+        aging_steps: int | None = None,
         watermark: float = 0.01,
         attn_cost_context: float | None = None,
         long_prefill_threshold: int | None = None,
         long_prefill_budget: float | None = None,
         long_prefill_budget_alone: float | None = None,
+        cost: StepCost | None = None,
+        ttft_sla_s: float = DEFAULT_TTFT_SLA_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.bm = block_manager
         # every running sequence must fit in one step's budget, or some decodes would stall
         self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
+        # aging (None: off) is a backstop only: deadlines already bound how long anything waits
         self.aging_steps, self.attn_cost_context = aging_steps, attn_cost_context
-        self.long_prefill_threshold = long_prefill_threshold
-        self.long_prefill_budget = long_prefill_budget or long_prefill_threshold
-        self.long_prefill_budget_alone = long_prefill_budget_alone or math.inf
+        self.ttft_sla_s, self.clock = ttft_sla_s, clock
+        nominal = StepCost(0.0, 1e-3, 0.0, attn_cost_context=attn_cost_context)  # 1 ms a token
+        self.cost = cost or nominal
+        # limits given explicitly stay; else they follow the step-cost model (set_cost)
+        self.live_limits = cost is not None and long_prefill_threshold is None
+        if self.live_limits:
+            self._set_limits(limits_for_cost(max_num_batched_tokens, self.cost))
+        else:
+            self.limits = None
+            self.long_prefill_threshold = long_prefill_threshold
+            self.long_prefill_budget = long_prefill_budget or long_prefill_threshold
+            self.long_prefill_budget_alone = long_prefill_budget_alone or math.inf
         self.long_prefills: set[int] = set()  # running sequences whose prompt was long at admission
+        self.deadlines: dict[int, float] = {}  # seq_id -> first-token deadline (on self.clock)
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.waiting: list[Sequence] = []  # preempted ones at the front
         self.running: list[Sequence] = []  # in admission order
         self.step_count = 0
         self.num_preemptions = 0
+
+    def _set_limits(self, limits: LongPrefillLimits) -> None:
+        self.limits = limits
+        self.long_prefill_threshold = limits.threshold
+        self.long_prefill_budget, self.long_prefill_budget_alone = limits.budget, limits.budget_alone
+
+    def set_cost(self, cost: StepCost) -> bool:
+        """The live step-cost model (the engine passes it after every step). New deadlines and the room left in a
+        step use it at once; derived long-prefill limits change when it moves them by over 10% (True then), so a
+        slower or busier machine adjusts by itself without the limits jittering step to step."""
+        self.cost = cost
+        if not self.live_limits:
+            return False
+        new = limits_for_cost(self.max_num_batched_tokens, cost)
+        if self.limits is not None and not moved(self.limits, new):
+            return False
+        self._set_limits(new)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,17 +177,60 @@ class Scheduler:
                 f"{self.bm.num_blocks * self.bm.block_size}; it can never run on this engine."
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, arrival: float | None = None) -> None:
+        """Queue seq; its deadline counts from `arrival` (on self.clock; default: now)."""
         seq.arrival_step = self.step_count
+        start = self.clock() if arrival is None else arrival
+        self.deadlines[seq.seq_id] = start + relative_deadline_s(
+            self.cost, seq.num_uncomputed, self.ttft_sla_s
+        )
         self.waiting.append(seq)
+
+    def deadline(self, seq: Sequence) -> float:
+        return self.deadlines.get(seq.seq_id, math.inf)
 
     def slots(self, seq: Sequence) -> int:
         return 1 + seq.num_forks
 
     def schedule(self) -> ScheduledBatch:
         self.step_count += 1
-        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
-        # decodes first; out of blocks -> preempt the most recently admitted
+        batch = ScheduledBatch()
+        self._schedule_decodes(batch)
+        # then prefill chunks: admitted partial prefills and waiting sequences, earliest deadline first
+        order = self._prefill_order()
+        crowded = bool(batch.decodes) or len(order) > 1
+        long_budget = math.inf
+        if self.long_prefill_threshold:
+            long_budget = self.long_prefill_budget if crowded else self.long_prefill_budget_alone
+        budget = self.max_num_batched_tokens - len(batch.decodes)
+        step = _StepSoFar(self.clock(), len(batch.decodes), budget, long_budget, crowded)
+        num_slots, admitting = sum(self.slots(s) for s in self.running), True
+        for seq in order:
+            if step.budget <= 0:
+                break
+            long = self.is_long(seq)
+            if (long and step.long_budget <= 0) or self._chunk_limit(seq, long, step) <= 0:
+                continue  # no long budget left, or a partial chunk with no room before the step's first tokens
+            if seq.status is SequenceStatus.WAITING:
+                if not admitting:
+                    continue
+                if num_slots + self.slots(seq) > self.max_num_seqs or not self.bm.can_allocate(
+                    seq, reserve=self.watermark_blocks if self.running else 0
+                ):
+                    admitting = False  # strict order: a big request at the head is not overtaken forever
+                    continue
+                self._admit(seq)  # a prefix-cache hit may leave fewer tokens (and make a long prompt short)
+                num_slots += self.slots(seq)
+                long = self.is_long(seq)
+            self._add_chunk(batch, step, seq, long)
+        served = {s.seq_id for s, _ in batch.prefills}
+        for seq in order:  # age only what got no prefill progress this step
+            seq.starved_steps = 0 if seq.seq_id in served else seq.starved_steps + 1
+        return batch.finalize()
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        """One token for every running sequence whose prompt is done; out of blocks -> preempt the most recently
+        admitted."""
         for seq in [s for s in self.running if s.num_uncomputed == 1]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted above in this loop
@@ -183,48 +247,35 @@ class Scheduler:
                 batch.decodes.append(seq)
                 if seq.num_forks:  # a prompt whose last token is its only uncached one
                     self._fork(seq, batch)
-        budget = self.max_num_batched_tokens - len(batch.decodes)
-        # then prefill chunks: admitted partial prefills and waiting sequences, by priority
-        num_slots = sum(self.slots(s) for s in self.running)
-        admitting, completed_one = True, False
-        order = self._prefill_order()
-        crowded = bool(batch.decodes) or len(order) > 1
-        long_budget = math.inf
-        if self.long_prefill_threshold:
-            long_budget = self.long_prefill_budget if crowded else self.long_prefill_budget_alone
-        for seq in order:
-            if budget <= 0:
-                break
-            young, long = self._priority(seq)[0] >= 2, self._is_long(seq)
-            if long and (long_budget <= 0 or (completed_one and young)):
-                continue  # the step that yields first tokens stays short
-            limit = self._limit(seq, budget, long_budget if long else math.inf, crowded)
-            if completed_one and seq.num_uncomputed > limit and young:
-                continue  # a young partial chunk would only slow down the step that yields first tokens
-            if seq.status is SequenceStatus.WAITING:
-                if not admitting:
-                    continue
-                if num_slots + self.slots(seq) > self.max_num_seqs or not self.bm.can_allocate(
-                    seq, reserve=self.watermark_blocks if self.running else 0
-                ):
-                    admitting = False  # strict order: a big request at the head is not overtaken forever
-                    continue
-                self._admit(seq)
-                num_slots += self.slots(seq)
-                if long and not self._is_long(seq):  # a prefix-cache hit made it short after all
-                    long, limit = False, self._limit(seq, budget, math.inf, crowded)
-            chunk = min(seq.num_uncomputed, limit)
-            batch.prefills.append((seq, chunk))
-            budget -= chunk
-            if long:
-                long_budget -= chunk_cost(seq.num_computed_tokens, chunk, self.attn_cost_context)
-            completed_one |= chunk == seq.num_uncomputed
-            if chunk == seq.num_uncomputed and seq.num_forks:
+
+    def _add_chunk(self, batch: ScheduledBatch, step: _StepSoFar, seq: Sequence, long: bool) -> None:
+        chunk = min(seq.num_uncomputed, max(1, self._chunk_limit(seq, long, step)))
+        batch.prefills.append((seq, chunk))
+        cost = chunk_cost(seq.num_computed_tokens, chunk, self.attn_cost_context)
+        step.budget -= chunk
+        step.prefill_cost += cost
+        if long:
+            step.long_budget -= cost
+        if chunk == seq.num_uncomputed:
+            step.finish_by = min(step.finish_by, self.deadline(seq))
+            if seq.num_forks:
                 self._fork(seq, batch)
-        served = {s.seq_id for s, _ in batch.prefills}
-        for seq in order:  # age only what got no prefill progress this step
-            seq.starved_steps = 0 if seq.seq_id in served else seq.starved_steps + 1
-        return batch.finalize()
+
+    def _chunk_limit(self, seq: Sequence, long: bool, step: _StepSoFar) -> int:
+        """Most tokens seq's chunk may have now (0: none). A short prompt's chunk that completes it takes what the
+        budgets allow; any other (a long prompt's, or a partial one) must also leave the step ending by the
+        deadlines of the prompts the step completes (they are ahead of seq in the order)."""
+        limit = self._limit(seq, step.budget, step.long_budget if long else math.inf, step.crowded)
+        if (seq.num_uncomputed <= limit and not long) or step.finish_by == math.inf:
+            return limit
+        if self.cost.prefill_token_s <= 0:
+            return limit
+        # judged on the conservative step time: on a noisy machine (a larger fit error) fewer chunks ride along
+        spare_s = (step.finish_by - step.now) / self.cost.conservative(1.0)
+        room = (spare_s - self.cost.step_s(step.prefill_cost, step.decodes)) / self.cost.prefill_token_s
+        if room < chunk_cost(seq.num_computed_tokens, 1, self.attn_cost_context):
+            return 0
+        return min(limit, self._chunk_for(seq, room))
 
     def _limit(self, seq: Sequence, budget: int, long_budget: float, crowded: bool) -> int:
         """Most tokens seq's chunk may have this step: the token budget, the long prompts' cost budget, and while
@@ -241,7 +292,7 @@ class Scheduler:
             return max(1, int(cost))
         return chunk_within_cost(seq.num_computed_tokens, cost, self.attn_cost_context)
 
-    def _is_long(self, seq: Sequence) -> bool:
+    def is_long(self, seq: Sequence) -> bool:
         """Long prompt (see the module doc); decided at admission, when prefix-cache hits are known."""
         if seq.status is SequenceStatus.RUNNING:
             return seq.seq_id in self.long_prefills
@@ -253,14 +304,14 @@ class Scheduler:
 
     def _priority(self, seq: Sequence) -> tuple:
         if seq.num_preemptions and seq.status is SequenceStatus.WAITING:
-            return (0, seq.arrival_step, seq.seq_id)  # preempted: front of the queue
-        if seq.starved_steps >= self.aging_steps:
-            return (1, seq.arrival_step, seq.seq_id)
-        return (2 + self._is_long(seq), seq.num_uncomputed, seq.arrival_step, seq.seq_id)
+            return (0, seq.arrival_step, 0.0, seq.seq_id)  # preempted: front of the queue
+        if self.aging_steps is not None and seq.starved_steps >= self.aging_steps:
+            return (1, seq.arrival_step, 0.0, seq.seq_id)
+        return (2, 0, self.deadline(seq), seq.seq_id)
 
     def _admit(self, seq: Sequence) -> None:
         self.bm.allocate(seq)
-        if self._is_long(seq):  # still WAITING: judged on what the prefix cache left to compute
+        if self.is_long(seq):  # still WAITING: judged on what the prefix cache left to compute
             self.long_prefills.add(seq.seq_id)
         seq.admitted_once = True
         seq.status = SequenceStatus.RUNNING
@@ -272,6 +323,7 @@ class Scheduler:
             child = parent.fork(parent.index + i)
             self.bm.fork(parent, child)
             child.num_computed_tokens = len(parent)  # the parent's chunk computes the shared prompt this step
+            self.deadlines[child.seq_id] = self.deadline(parent)
             self.running.append(child)
             batch.forks.append((parent, child))
         parent.num_forks = 0
@@ -308,6 +360,7 @@ class Scheduler:
             self.long_prefills.discard(seq.seq_id)
         else:
             self.waiting.remove(seq)
+        self.deadlines.pop(seq.seq_id, None)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def pending_prefill_tokens(self) -> int:

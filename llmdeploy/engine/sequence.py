@@ -51,6 +51,9 @@ class Sequence:
         self.generator: Any = None
         self.detok: Any = None
         self.logprobs: list | None = [] if self.params.logprobs is not None else None
+        # the first prompt token has no logprob (nothing precedes it): None in its place, as OpenAI answers
+        self.prompt_logprobs: list | None = [None] if self.params.prompt_logprobs is not None else None
+        self.guided: Any = None  # engine.guided.GuidedState: this sequence's place in its grammar
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -93,4 +96,5 @@ class Sequence:
         child.num_registered_blocks = self.num_registered_blocks
         child.arrival_step, child.admitted_once = self.arrival_step, True
         child.status = SequenceStatus.RUNNING
+        child.guided = self.guided.fork() if self.guided is not None else None
         return child

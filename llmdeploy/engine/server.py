@@ -1,4 +1,4 @@
-"""The engine's OpenAI-compatible HTTP server: `create_app(engine, served_alias)` and a uvicorn runner.
+"""The engine's OpenAI-compatible HTTP server: `create_app(engine, served_alias)` (__main__.py runs it).
 
 Every request is checked in full (JSON, alias, fields, engine.check_request) before it reaches the engine,
 so a bad request is a 400 at once and never stalls the loop. Streams commit at the first engine output:
@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmdeploy.engine.asgi import (
+    MAX_BODY_BYTES,
     ClientGone,
-    DrainingServer,
-    RequestIdMiddleware,
+    install_plumbing,
     read_object,
     unless_disconnected,
 )
@@ -101,8 +100,11 @@ class Job:
 
 
 class EngineServer:
-    def __init__(self, engine: Any, served_alias: str, log_bodies: bool = False):
+    def __init__(
+        self, engine: Any, served_alias: str, log_bodies: bool = False, max_body_bytes: int = MAX_BODY_BYTES
+    ):
         self.engine, self.alias, self.log_bodies = engine, served_alias, log_bodies
+        self.max_body_bytes = max_body_bytes
         self.tokenizer = engine.tokenizer
         self.texts = TokenTexts(self.tokenizer)
         self.max_model_len = engine.config.max_model_len
@@ -245,7 +247,7 @@ class EngineServer:
     # -- endpoints
 
     async def chat(self, request: Request) -> Response:
-        body = await read_object(request)
+        body = await read_object(request, self.max_body_bytes)
         check_alias(body, self.alias, required=True)
         req = validate(ChatCompletionRequest, body)
         k = chat_logprobs_k(req)
@@ -254,7 +256,7 @@ class EngineServer:
         return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "messages"))
 
     async def completions(self, request: Request) -> Response:
-        body = await read_object(request)
+        body = await read_object(request, self.max_body_bytes)
         check_alias(body, self.alias, required=True)
         req = validate(CompletionRequest, body)
         k = completion_logprobs_k(req)
@@ -263,7 +265,7 @@ class EngineServer:
         return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "prompt"))
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
-        body = await read_object(request)
+        body = await read_object(request, self.max_body_bytes)
         check_alias(body, self.alias, required=False)
         req = validate(TokenizeRequest, body)
         if req.messages is not None:
@@ -273,7 +275,7 @@ class EngineServer:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
-        body = await read_object(request)
+        body = await read_object(request, self.max_body_bytes)
         check_alias(body, self.alias, required=False)
         req = validate(DetokenizeRequest, body)
         vocab = len(self.tokenizer)
@@ -299,10 +301,17 @@ class EngineServer:
 
 
 def create_app(
-    engine: Any, served_alias: str, *, log_bodies: bool = False, manage_engine: bool = True
+    engine: Any,
+    served_alias: str,
+    *,
+    log_bodies: bool = False,
+    manage_engine: bool = True,
+    internal_token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The app over an already built engine; with manage_engine the app's lifespan starts and stops it."""
-    srv = EngineServer(engine, served_alias, log_bodies)
+    """The app over an already built engine; with manage_engine the app's lifespan starts and stops it. With an
+    internal token (a deployment's engine) the routes that do work answer only requests that carry it."""
+    srv = EngineServer(engine, served_alias, log_bodies, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -319,7 +328,7 @@ def create_app(
     )
     app.state.server = srv
     install_error_handlers(app)
-    app.add_middleware(RequestIdMiddleware)
+    install_plumbing(app, internal_token)
 
     app.post("/v1/chat/completions")(srv.chat)
     app.post("/v1/completions")(srv.completions)
@@ -352,32 +361,3 @@ def create_app(
         return Response(data, media_type=content_type)
 
     return app
-
-
-# ---- running it -------------------------------------------------------------------------------------------
-
-
-def run_server(
-    engine: Any,
-    served_alias: str,
-    host: str,
-    port: int,
-    *,
-    log_bodies: bool = False,
-    drain_timeout_s: float = 30.0,
-    log_level: str = "info",
-) -> int:
-    """Serve until SIGTERM/SIGINT, drain, stop the engine; the exit status (0 after a clean drain)."""
-    config = uvicorn.Config(
-        create_app(engine, served_alias, log_bodies=log_bodies),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        log_config=None,
-        timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
-        lifespan="on",
-    )
-    server = DrainingServer(config)
-    server.run()
-    return 0 if server.started else 1

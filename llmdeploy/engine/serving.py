@@ -6,12 +6,9 @@ Pure functions and small formatters over plain data: no HTTP, no engine calls, s
 from __future__ import annotations
 
 import logging
-import math
-import re
 import time
 import uuid
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -20,6 +17,16 @@ from llmdeploy.engine.chat import chat_prompt_ids, text_prompt_ids
 from llmdeploy.engine.errors import CapacityError, ContextLengthError, ParamError
 from llmdeploy.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from llmdeploy.engine.sampling_params import SamplingParams
+from llmdeploy.engine.structured import guided_spec, logit_bias, tool_dicts, tool_plan
+from llmdeploy.engine.token_texts import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    joined_logprobs,
+)
+from llmdeploy.engine.tool_calls import ToolPlan, ToolStreamer, parse_output
+from llmdeploy.engine.tool_calls import finish_reason as tool_finish_reason
 from llmdeploy.openai_api.errors import (
     OpenAIError,
     context_length_exceeded,
@@ -32,13 +39,16 @@ from llmdeploy.openai_api.schemas import ChatCompletionRequest, CompletionReques
 
 log = logging.getLogger("llmdeploy.engine.server")
 M = TypeVar("M", bound=BaseModel)
-MIN_LOGPROB = -9999.0  # OpenAI's stand-in for -inf (JSON has no infinity)
 
 
 @dataclass
 class Prompt:
+    """One engine request and how its outputs are read back."""
+
     token_ids: list[int]
     text: str  # what `echo` prepends
+    tools: ToolPlan | None = None  # chat with tools: the output may hold tool calls
+    best_of: int | None = None  # completions: the engine makes this many, the best n are answered
 
 
 def new_id(prefix: str) -> str:
@@ -49,7 +59,9 @@ def new_id(prefix: str) -> str:
 
 
 def chat_prompts(tokenizer: Any, req: ChatCompletionRequest) -> list[Prompt]:
-    return [Prompt(chat_prompt_ids(tokenizer, req.messages), "")]
+    plan = tool_plan(req, tokenizer)
+    tools = tool_dicts(req) if plan is not None else None
+    return [Prompt(chat_prompt_ids(tokenizer, req.messages, tools), "", tools=plan)]
 
 
 def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[Prompt]:
@@ -63,11 +75,17 @@ def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[Prompt]:
     else:
         raw = list(p)  # type: ignore[arg-type]
     prompts = []
+    vocab = len(tokenizer)
     for item in raw:
         if isinstance(item, str):
             prompts.append(Prompt(text_prompt_ids(tokenizer, item), item))
+        elif any(t < 0 or t >= vocab for t in item):  # before decode (echo): it overflows on huge ids
+            raise invalid_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         else:
             prompts.append(Prompt(list(item), tokenizer.decode(item) if req.echo else ""))
+    if req.best_of is not None and req.best_of > req.n:
+        for pr in prompts:
+            pr.best_of = req.best_of
     if any(not pr.token_ids for pr in prompts):
         raise invalid_request("The prompt is empty after tokenization.", param="prompt")
     vocab = len(tokenizer)
@@ -86,8 +104,11 @@ def _extra(req: Any, name: str, default: Any) -> Any:
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, logprobs: int | None) -> SamplingParams:
     """Unset OpenAI fields take OpenAI's defaults; an unset output limit (None) means 'the rest of the context'."""
+    best_of = getattr(req, "best_of", None) or req.n
+    if best_of > req.n and logprobs is None:
+        logprobs = 0  # the best are chosen by their total logprob; not shown unless asked for
     return SamplingParams(
-        n=req.n,
+        n=best_of,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
@@ -102,8 +123,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, logprobs: in
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=logprobs if getattr(req, "echo", False) else None,
         skip_special_tokens=_extra(req, "skip_special_tokens", True),
         include_stop_str_in_output=_extra(req, "include_stop_str_in_output", False),
+        logit_bias=logit_bias(req),
+        guided=guided_spec(req),
     )
 
 
@@ -112,10 +136,6 @@ def chat_logprobs_k(req: ChatCompletionRequest) -> int | None:
 
 
 def completion_logprobs_k(req: CompletionRequest) -> int | None:
-    if req.echo and req.logprobs is not None:
-        raise invalid_request(
-            "`echo` together with `logprobs` is not supported (no prompt logprobs).", param="echo"
-        )
     return req.logprobs
 
 
@@ -143,96 +163,6 @@ def engine_error(exc: BaseException, prompt_param: str) -> OpenAIError:
         return context_length_exceeded(exc.message, param=prompt_param)
     log.error("engine failed a request: %s: %s", type(exc).__name__, exc)
     return server_error(f"The engine failed while generating ({type(exc).__name__}).")
-
-
-# ---- token strings for logprobs ---------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte<->unicode table, inverted: byte-level BPE pieces are strings of these stand-in characters."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-class TokenTexts:
-    """A token id's exact bytes and display string (OpenAI's logprob `token` and `bytes`), cached per id."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self.byte_level = "ByteLevel" in repr(decoder)
-        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def bytes_of(self, token_id: int) -> bytes:
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if piece is None:
-            return b""
-        if token_id in self.special:
-            return piece.encode()
-        if self.byte_level:
-            table = _byte_decoder()
-            if all(c in table for c in piece):
-                return bytes(table[c] for c in piece)
-        if m := _SP_BYTE.fullmatch(piece):
-            return bytes([int(m.group(1), 16)])
-        return piece.replace("\u2581", " ").encode()  # sentencepiece's word-start marker is a space
-
-    def get(self, token_id: int) -> tuple[str, list[int]]:
-        if token_id not in self._cache:
-            raw = self.bytes_of(token_id)
-            self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
-        return self._cache[token_id]
-
-
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else MIN_LOGPROB
-
-
-def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob] | None, k: int) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    content = []
-    for lp in lps:
-        token, raw = texts.get(lp.token_id)
-        top = []
-        for tid, val in lp.top[:k]:
-            t, b = texts.get(tid)
-            top.append({"token": t, "logprob": _lp(val), "bytes": b})
-        content.append({"token": token, "logprob": _lp(lp.logprob), "bytes": raw, "top_logprobs": top})
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(
-    texts: TokenTexts, lps: list[TokenLogprob] | None, k: int, offset: int
-) -> dict[str, Any] | None:
-    """The legacy shape; text_offset counts characters from the start of the choice's text."""
-    if lps is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        token = texts.get(lp.token_id)[0]
-        tokens.append(token)
-        token_lps.append(_lp(lp.logprob))
-        tops.append({texts.get(tid)[0]: _lp(val) for tid, val in lp.top[:k]})
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 # ---- responses and chunks ---------------------------------------------------------------------------------
@@ -268,6 +198,7 @@ class Formatter:
     _started: set[int] = field(default_factory=set)
     _finished: set[int] = field(default_factory=set)
     _offsets: dict[int, int] = field(default_factory=dict)
+    _streamers: dict[int, ToolStreamer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
@@ -289,15 +220,18 @@ class Formatter:
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for p, out in enumerate(finals):
-            for c in out.outputs:
+            for c in self._best(p, out.outputs):
                 prefix = self.prompts[p].text if self.echo else ""
                 choice: dict[str, Any] = {"index": self.index(p, c)}
+                reason = c.finish_reason
                 if self.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"], reason = self._message(p, c)
                 else:
                     choice["text"] = prefix + c.text
                 choice["logprobs"] = self._logprobs(c.logprobs, len(prefix))
-                choice["finish_reason"] = c.finish_reason
+                if self.echo and self.logprobs_k is not None and out.prompt_logprobs is not None:
+                    choice["logprobs"] = self._with_prompt(out, choice["logprobs"])
+                choice["finish_reason"] = reason
                 choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
@@ -309,6 +243,44 @@ class Formatter:
             "choices": choices,
             "usage": usage(finals),
         }
+
+    def _with_prompt(self, out: RequestOutput, generated: dict[str, Any] | None) -> dict[str, Any]:
+        """echo with logprobs: the prompt tokens' logprobs in front of the generated ones'."""
+        assert self.logprobs_k is not None and out.prompt_logprobs is not None
+        prompt = echo_logprobs(self.texts, out.prompt_token_ids, out.prompt_logprobs, self.logprobs_k)
+        return joined_logprobs(prompt, generated)
+
+    def _best(self, p: int, outputs: list[CompletionOutput]) -> list[CompletionOutput]:
+        """best_of: the n outputs with the highest total logprob, renumbered 0..n-1 (vLLM's rule)."""
+        if not self.prompts[p].best_of:
+            return outputs
+        ranked = sorted(outputs, key=lambda c: -sum(lp.logprob for lp in c.logprobs or []))[: self.n]
+        return [replace(c, index=j) for j, c in enumerate(ranked)]
+
+    def _message(self, p: int, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        plan = self.prompts[p].tools
+        if plan is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        parsed = parse_output(plan, c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+        return message, tool_finish_reason(parsed, c.finish_reason)
+
+    def _tool_chunks(self, i: int, plan: ToolPlan, c: CompletionOutput, text: str) -> list[dict[str, Any]]:
+        """A choice whose output may hold tool calls: content and call deltas as OpenAI streams them."""
+        streamer = self._streamers.setdefault(i, ToolStreamer(plan))
+        done = c.finish_reason is not None
+        out = [
+            self._chunk([{"index": i, "delta": d, "logprobs": None, "finish_reason": None}])
+            for d in streamer.feed(text, done)
+        ]
+        if done:
+            reason = streamer.finish_reason(c.finish_reason)
+            end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
+            out.append(self._chunk([{**end, "stop_reason": c.stop_reason}]))
+            self._finished.add(i)
+        return out
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -324,7 +296,7 @@ class Formatter:
 
     def chunks(self, prompt_idx: int, out: RequestOutput) -> list[dict[str, Any]]:
         """The chunks for one engine yield: a role chunk first per chat choice, then deltas and finishes."""
-        result = []
+        result, echoed = [], set()
         for c in out.outputs:
             i = self.index(prompt_idx, c)
             if i in self._finished:
@@ -347,7 +319,12 @@ class Formatter:
                     )
                 elif self.echo:
                     text = self.prompts[prompt_idx].text + text
+                    echoed.add(i)
             if not text and not c.delta_token_ids and c.finish_reason is None:
+                continue
+            plan = self.prompts[prompt_idx].tools if self.kind == "chat" else None
+            if plan is not None:
+                result += self._tool_chunks(i, plan, c, text)
                 continue
             offset = self._offsets.get(i, len(self.prompts[prompt_idx].text) if self.echo else 0)
             choice: dict[str, Any] = {"index": i}
@@ -356,6 +333,8 @@ class Formatter:
             else:
                 choice["text"] = text
             choice["logprobs"] = self._logprobs(c.delta_logprobs, offset) if c.delta_token_ids else None
+            if i in echoed and self.logprobs_k is not None and out.prompt_logprobs is not None:
+                choice["logprobs"] = self._with_prompt(out, choice["logprobs"])
             choice["finish_reason"] = c.finish_reason
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason

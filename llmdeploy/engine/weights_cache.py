@@ -75,19 +75,37 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     folder, name = gguf.parent, gguf.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+        )
+        tied = head_is_tied(gguf)
     except Exception as e:  # transformers raises many types for files it cannot read
         raise GGUFConversionError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e}") from e
-    out.mkdir(parents=True)
     config = model.config
+    # The file decides whether the head is the embedding matrix (llama.cpp writes output.weight only when it
+    # is not). transformers once left lm_head untied and randomly initialised (issue 11): never cache that.
+    config.tie_word_embeddings = tied
+    missing = set(info.get("missing_keys") or ()) - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise GGUFConversionError(
+            f"cannot convert GGUF file {gguf}: weights missing after loading: {sorted(missing)}"
+        )
+    out.mkdir(parents=True)
     config.architectures = [type(model).__name__]
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the copy is plain float32, not a GGUF-quantized model
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
+    if tied:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def head_is_tied(gguf: Path) -> bool:
+    """True when the GGUF file has no separate output projection (the head is the token embedding)."""
+    from gguf import GGUFReader
+
+    return all(t.name != "output.weight" for t in GGUFReader(str(gguf)).tensors)

@@ -1,5 +1,9 @@
 """Pure-PyTorch reference ops. They define what each Triton kernel must compute, and they are the CPU path.
 
+On CPU, decode attention runs the compiled kernel of kernels/cpu_native.py where it builds (K/V read in place from
+the paged cache, no per-step gather, no padding); `decode_by_gather` is the same op in torch, used without a C
+compiler and as the definition the native kernel is tested against.
+
 Shapes (the contract shared with kernels/triton_ops.py and engine/attention.py):
   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (one pair per layer)
   slot_mapping:     [num_tokens] int64, slot = block_id * block_size + offset; -1 = do not store
@@ -12,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from llmdeploy.kernels import cpu_native
 
 
 def store_kv(
@@ -57,6 +63,23 @@ def paged_attention_decode(
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim], one token per sequence (the last position) -> same shape."""
+    out = cpu_native.decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is not None:
+        return out
+    return decode_by_gather(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+
+
+def decode_by_gather(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """paged_attention_decode in torch: each sequence's blocks gathered out of the cache, then SDPA (padded to the
+    longest context of the batch, outliers on their own)."""
     if query.shape[0] == 1:
         return decode_one_sequence(query, k_cache, v_cache, block_tables, int(context_lens[0]), scale)
     lens = context_lens.tolist()
@@ -197,7 +220,12 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) normalised; returns (normed, new residual) so layers can chain the fused form.
-    Rounds like transformers' RMSNorm: normalise in float32, cast to x's dtype, then multiply by the weight."""
+    Rounds like transformers' RMSNorm: normalise in float32, cast to x's dtype, then multiply by the weight.
+    float32 on CPU: one pass of the native kernel (F.rms_norm is eight small ops here)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        fused = cpu_native.add_rms_norm(x, weight, eps, residual)
+        if fused is not None:
+            return fused
     if residual is not None:
         x = x + residual
     if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op, same values

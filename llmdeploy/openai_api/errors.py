@@ -26,6 +26,7 @@ TYPE_BY_STATUS = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -107,6 +108,24 @@ def overloaded(message: str, retry_after_s: float, code: str = "overloaded") -> 
 def payload_too_large(limit: int) -> OpenAIError:
     return OpenAIError(
         413, f"Request body is larger than the limit of {limit} bytes.", code="request_too_large"
+    )
+
+
+def unsupported_media_type(content_type: str) -> OpenAIError:
+    shown = content_type.split(";", 1)[0].strip()[:80] or "(empty)"
+    return OpenAIError(
+        415,
+        f"Unsupported Content-Type {shown!r}: send the body as application/json.",
+        code="unsupported_media_type",
+    )
+
+
+def unauthorized_internal() -> OpenAIError:
+    """The engine's own check: only the router (which holds the deployment's internal token) may call it."""
+    return OpenAIError(
+        401,
+        "This engine serves only its deployment's router; send requests to the router's URL.",
+        code="invalid_internal_token",
     )
 
 

@@ -10,9 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmdeploy.openai_api.structured import GuidedFields, ImagePart, MessageToolCall, ToolFields
+
 MAX_STOP_SEQUENCES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # OpenAI: a 64-bit signed integer
 
 
 class Tolerant(BaseModel):
@@ -30,18 +33,24 @@ class TextPart(Tolerant):
 
 class ChatMessage(Tolerant):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, sent back as history
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
 
 
-class SamplingFields(Tolerant):
+class SamplingFields(Tolerant, GuidedFields):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,7 +59,7 @@ class SamplingFields(Tolerant):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
@@ -78,7 +87,7 @@ class SamplingFields(Tolerant):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -100,6 +109,17 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, v: int | None, info: Any) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v < n:
+            raise ValueError(f"best_of must be >= n ({n})")
+        if v is not None and v > n and info.data.get("stream"):
+            raise ValueError("best_of > n cannot be streamed")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -2,7 +2,8 @@
 [--host H] [--port P]`: the router alone, in front of engines started elsewhere (the daemon embeds it instead).
 
 Serves the spec's listen address (HTTPS when tls.cert_file/key_file are set). SIGHUP re-reads the file and
-hot-reloads auth, routing, sla, cloud and rollout settings without dropping requests in flight.
+hot-reloads auth, routing, sla, cloud and rollout settings without dropping requests in flight. Engines that
+were started with LLMDEPLOY_ENGINE_TOKEN need the same variable here: the router sends it to them.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 import uvicorn
 
+from llmdeploy.openai_api.guard import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    HTTPLimits,
+    uvicorn_settings,
+)
+from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.router.app import create_router
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
 from llmdeploy.spec.models import is_loopback
@@ -50,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", type=int, default=1, help="revision number the engines serve (default: 1)")
     p.add_argument("--host", default=None, help="override the host of `listen`")
     p.add_argument("--port", type=int, default=None, help="override the port of `listen`")
+    p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, and its body (plus its size at 64 KiB/s), "
+        f"before the connection is closed (default: {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections beyond this are refused with 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
     return p
 
 
@@ -86,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(
             "listening on %s without TLS: keys and prompts cross the network in clear text (set tls.*)", host
         )
-    engines = [EngineEndpoint(url, f"r{i + 1}", True) for i, url in enumerate(args.engine)]
+    token = os.environ.get(ENGINE_TOKEN_ENV) or None
+    engines = [EngineEndpoint(url, f"r{i + 1}", True, token) for i, url in enumerate(args.engine)]
     table = RoutingTable([RevisionRoute(args.revision, "stable", 100.0, engines)])
     router = create_router(spec, table)
     tls = {"ssl_certfile": spec.tls.cert_file, "ssl_keyfile": spec.tls.key_file} if spec.tls.enabled else {}
@@ -97,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         log_level=spec.logging.level,
         timeout_graceful_shutdown=30,
+        **uvicorn_settings(HTTPLimits(args.http_read_timeout, args.max_connections)),
         **tls,
     )
     server = Server(config)

@@ -31,6 +31,8 @@ class AccessRecord:
     overflow: str | None = None
     attempts: int = 0
     error: str | None = None
+    capability: str | None = None  # which backends could serve it (policies/capability.py LABELS)
+    continued: str | None = None  # the backend that finished a stream after the first one failed
     body: Any = None  # only with logging.bodies
     completion: str | None = None  # only with logging.bodies
 
@@ -62,6 +64,8 @@ def format_record(rec: AccessRecord, bodies: bool) -> str:
         ("overflow", rec.overflow),
         ("attempts", rec.attempts),
         ("error", rec.error),
+        ("continued", rec.continued),
+        ("capability", rec.capability),
     ]
     if bodies:
         fields += [

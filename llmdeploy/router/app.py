@@ -10,18 +10,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI
+from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmdeploy.openai_api.errors import OpenAIError, install_error_handlers, overloaded, rate_limited
+from llmdeploy.openai_api.errors import (
+    OpenAIError,
+    install_error_handlers,
+    overloaded,
+    rate_limited,
+    server_error,
+)
+from llmdeploy.policies import capability
+from llmdeploy.policies.affinity import ReplicaChoice
 from llmdeploy.policies.breaker import BreakerConfig, CircuitBreaker
+from llmdeploy.policies.cost import Prices, Tokens
 from llmdeploy.policies.egress import ALLOW_CLOUD_HEADER, CloudState, header_allows_cloud
 from llmdeploy.policies.overflow import OverflowLimits
 from llmdeploy.policies.ratelimit import KeyRateLimiter, burst_bucket
-from llmdeploy.policies.route import CLOUD, LOCAL, REJECT, WAIT, Decision, decide
+from llmdeploy.policies.route import CLOUD, LOCAL, REJECT, SHED, WAIT, Decision, decide
 from llmdeploy.policies.snapshot import RequestFacts, WindowStats
 from llmdeploy.policies.split import parse_pinned
 from llmdeploy.router import requests as rq
@@ -29,6 +39,8 @@ from llmdeploy.router.access_log import AccessRecord, log_access
 from llmdeploy.router.auth import KeyInfo, KeyStore
 from llmdeploy.router.backends import EnginePool
 from llmdeploy.router.cloud import CloudClient
+from llmdeploy.router.dashboard import install_dashboard
+from llmdeploy.router.dashboard_data import ControlFeed, Observer
 from llmdeploy.router.dispatch import Call, Dispatcher, revision_label
 from llmdeploy.router.metrics import RouterMetrics
 from llmdeploy.router.relay import Exchange
@@ -55,6 +67,7 @@ class Settings:
     local_wait_s: float
     sticky_header: str
     bodies: bool
+    replica_choice: ReplicaChoice
 
 
 class Router:
@@ -74,6 +87,15 @@ class Router:
         self.generated_key_hashes = dict(generated_key_hashes or {})
         self.environ, self.cloud_backoff_s = environ, cloud_backoff_s
         self.metrics = RouterMetrics()
+        # time series, tokens, cost, control events: /dashboard and status read it
+        self.observer = Observer(self.metrics)
+        self.capability_decisions = Counter(
+            "llmdeploy_router_capability_decisions",
+            "Requests by which backends could serve them (none: no special needs; any; local_only; "
+            "cloud_only; rejected)",
+            ["decision"],
+            registry=self.metrics.registry,
+        )
         self.limiter = KeyRateLimiter()
         self.settings = self._settings(spec)
         self.limiter.configure(self.settings.keys.rpm_limits())
@@ -107,6 +129,7 @@ class Router:
             local_wait_s=spec.routing.local_wait_s,
             sticky_header=spec.rollout.sticky_header,
             bodies=spec.logging.bodies,
+            replica_choice=ReplicaChoice.from_spec(spec),
         )
 
     # ---- lifecycle and the control-plane seam -----------------------------------------------------------
@@ -155,6 +178,14 @@ class Router:
     def revision_window(self, revision: int) -> WindowStats:
         return self.windows.stats(revision, time.monotonic())
 
+    def control_event(self, kind: str, revision: int | None = None) -> None:
+        """The daemon reports each control-plane event (apply, canary, rollback, engine-crash...): counters."""
+        self.observer.control_event(kind, revision)
+
+    def set_control_feed(self, feed: ControlFeed | None) -> None:
+        """The daemon's status document for /dashboard (events, revision states, replicas, the bench curve)."""
+        self.observer.control_feed = feed
+
     def snapshot(self) -> dict:
         """For `llmdeploy status`: revisions, replicas, windows, cloud share, breakers, overflow counts."""
         return build_snapshot(self, time.monotonic())
@@ -184,6 +215,7 @@ class Router:
         app.router.add_route("/v1/models", self.models, methods=["GET"])
         app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.router.add_route("/v1/completions", self.completions, methods=["POST"])
+        install_dashboard(app, self)
         return app
 
     async def health(self, request: Request) -> Response:
@@ -209,7 +241,20 @@ class Router:
         for url, br in list(self.pool.breakers.items()):
             self.metrics.breaker_open.labels(url).set(0 if br.state == "closed" else 1)
         self.metrics.breaker_open.labels("cloud").set(0 if self.cloud_breaker.state == "closed" else 1)
+        self._engine_gauges()
+        self.observer.refresh_gauges(self, time.monotonic())
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _engine_gauges(self) -> None:
+        m = self.metrics
+        for rev in self.pool.revision_states(time.monotonic()):
+            for r in rev.replicas:
+                labels = (str(rev.revision), r.replica)
+                m.engine_up.labels(*labels).set(1 if r.usable else 0)
+                if r.load is not None:
+                    m.engine_kv.labels(*labels).set(r.load.kv_usage)
+                    m.engine_waiting.labels(*labels).set(r.load.waiting)
+                    m.engine_running.labels(*labels).set(r.load.running)
 
     async def models(self, request: Request) -> Response:
         s = self.settings
@@ -262,6 +307,10 @@ class Router:
             call.rec.error = e.code or e.type
             self.finish(call, e.status, "none", None)
             return e.response()
+        except Exception as exc:  # a bug: booked and answered like any error, logged once
+            return self._unexpected(call, exc, None)
+        self.capability_decisions.labels(decision.capability).inc()
+        call.rec.capability = decision.capability
         if decision.action == CLOUD and decision.overflow_reason:
             self.metrics.overflow.labels(decision.overflow_reason).inc()
             call.rec.overflow = decision.overflow_reason
@@ -270,11 +319,19 @@ class Router:
             call.rec.error = err.code
             self.finish(call, err.status, "none", decision.revision)
             return err.response()
-        try:
-            return await self.dispatcher.execute(s, call, decision)
+        try:  # a client that leaves before its answer is ready aborts the backend request (499)
+            return await self.dispatcher.execute(s, call, decision, request.receive)
+        except Exception as exc:
+            return self._unexpected(call, exc, decision.revision)
         except BaseException:
-            self.finish(call, 499, "none", decision.revision)  # cancelled (shutdown) or a bug: still booked
+            self.finish(call, 499, "none", decision.revision)  # cancelled (shutdown): still booked
             raise
+
+    def _unexpected(self, call: Call, exc: Exception, revision: int | None) -> Response:
+        log.error("request %s failed unexpectedly (%s)", call.request_id, type(exc).__name__, exc_info=exc)
+        call.rec.error = "internal_error"
+        self.finish(call, 500, "none", revision)
+        return server_error().response()
 
     def _facts(self, request: Request, req, key: KeyInfo) -> RequestFacts:
         try:
@@ -283,12 +340,15 @@ class Router:
             raise rq.rejected(400, "invalid_revision", str(exc), param=PIN_HEADER) from None
         return RequestFacts(
             prompt_tokens=rq.estimate_prompt_tokens(req),
+            prompt=rq.prompt_shape(req),
+            prefix_key=rq.prefix_key(req),
             max_tokens=rq.planned_output_tokens(req),
             key_name=key.name,
             key_allows_cloud=key.allow_cloud,
             header_allows_cloud=header_allows_cloud(request.headers.get(ALLOW_CLOUD_HEADER)),
             sticky_value=request.headers.get(self.settings.sticky_header),
             pinned_revision=pinned,
+            needs=capability.needs_of(req, rq.estimate_prompt_tokens(req)),
         )
 
     async def _decide(self, s: Settings, facts: RequestFacts) -> Decision:
@@ -297,20 +357,26 @@ class Router:
         while True:
             now = time.monotonic()
             cloud = CloudState(s.cloud.enabled, self.cloud_breaker.allows(now))
+            revisions = self.pool.revision_states(now)
+            gate = capability.gate(revisions, facts, cloud, s.cloud.capabilities)
             d = decide(
-                self.pool.revision_states(now), facts, s.limits, cloud, lambda t=now: self.burst.try_take(t)
-            )
+                revisions, facts, s.limits, cloud, lambda t=now: self.burst.try_take(t), gate=gate,
+                replica_choice=s.replica_choice,
+            )  # fmt: skip
             if d.action != WAIT or now >= deadline:
-                return d
+                return replace(d, capability=gate.label)
             await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - now)))
 
     def _unserved(self, d: Decision) -> OpenAIError:
         if d.action == REJECT:
-            return rq.rejected(d.status, d.code, d.message, param=PIN_HEADER)
+            return rq.rejected(d.status, d.code, d.message, param=d.param or PIN_HEADER)
         why = {
             "local_down": "no local engine is up",
             "queue_depth": "the local engines' queues are full",
         }.get(d.overflow_reason or "", "the local engines cannot take it")
+        if d.action == SHED:
+            bound = self.settings.local_wait_s
+            why = f"the local engines' predicted wait is over routing.local_wait_s ({bound:g} s)"
         cloud = {
             "key_no_egress": "this API key may not use the cloud",
             "request_no_egress": "the request asked to stay local",
@@ -320,7 +386,7 @@ class Router:
         }.get(d.egress_denied or "", "")
         message = f"The request cannot be served now: {why}" + (f" and {cloud}." if cloud else ".")
         retry = self.cloud_breaker.config.cooldown_s if d.egress_denied == "cloud_breaker_open" else 1.0
-        return overloaded(message, retry)
+        return overloaded(message, d.retry_after_s if d.action == SHED else retry)
 
     def finish(self, call: Call, status: int, backend: str, revision: int | None) -> None:
         """Book one answered request, once: metrics, the revision window (local answers), the access log."""
@@ -351,6 +417,11 @@ class Router:
         if backend == CLOUD:
             m.cloud_tokens.labels("in").inc(ex.prompt_tokens or 0)
             m.cloud_tokens.labels("out").inc(rec.completion_tokens or 0)
+        self.observer.record(
+            backend, revision, status, ex.failed_after_commit is not None, ex.ttft_s, now - ex.started,
+            Tokens(ex.prompt_tokens or 0, rec.completion_tokens or 0), rec.key,
+            Prices.from_spec(getattr(self.settings.spec, "cost", None)),
+        )  # fmt: skip
         if backend == LOCAL and revision is not None and status in (200, 499):
             ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
             self.windows.record(revision, ex.failed_after_commit is not None, ttft_ms, now)

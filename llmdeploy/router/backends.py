@@ -24,12 +24,30 @@ POLL_INTERVAL_S = 0.2
 POLL_TIMEOUT_S = 2.0
 STALE_AFTER_S = 5.0  # a /load older than this is not trusted (the poller is stuck or the engine hangs)
 LOCAL_CONNECT_TIMEOUT_S = 2.0
-LOCAL_READ_TIMEOUT_S = 120.0  # between bytes; generous, the engine may queue a request that cannot leave
+LOCAL_READ_TIMEOUT_S = 120.0  # between bytes, unless the request sets its own (local_read_timeout_s)
+# a non-stream answer comes whole at the end: its limit grows with the output it may generate, at the engine's
+# measured per-sequence decode rate (this fallback before any measurement), with a wide margin for busy moments
+TIMEOUT_MARGIN = 4.0
+FALLBACK_DECODE_TOKENS_PER_S = 5.0
 
 
 def engine_base(url: str) -> str:
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
+
+
+def local_read_timeout_s(floor_s: float, output_tokens: int | None, load: EngineLoad | None) -> float:
+    """How long the router waits on a local engine before calling it a timeout (504, never 'overloaded').
+
+    `output_tokens`: what a non-stream request may generate (None for a stream, whose bytes flow from its first
+    token on). The floor covers an ordinary request; the queue wait and the generation at the per-sequence rate
+    the engine measures now are added on top, times TIMEOUT_MARGIN."""
+    wait_s = load.predicted_queue_wait_ms / 1000 if load is not None else 0.0
+    gen_s = 0.0
+    if output_tokens:
+        rate = load.decode_tokens_per_s / max(1, getattr(load, "decoding", 0)) if load is not None else 0.0
+        gen_s = output_tokens / (rate if rate > 0 else FALLBACK_DECODE_TOKENS_PER_S)
+    return floor_s + TIMEOUT_MARGIN * (max(0.0, wait_s) + gen_s)
 
 
 class EnginePool:
@@ -45,6 +63,8 @@ class EnginePool:
         self.client = LocalHTTP(LOCAL_CONNECT_TIMEOUT_S, LOCAL_READ_TIMEOUT_S)
         self._poll_client = httpx.AsyncClient(timeout=POLL_TIMEOUT_S)
         self._task: asyncio.Task | None = None
+        self._tokens: dict[str, str] = {}
+        self._tokens_version = -1
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -89,6 +109,8 @@ class EnginePool:
             return
         if self.loads.get(base, (None, 0))[0] is None:
             log.info("engine %s is up (ready=%s)", base, load.ready)
+            if base in self.loads:  # it was down: a restarted engine (maybe on the same port) starts afresh,
+                self.breakers.pop(base, None)  # not half-open behind its predecessor's failures
         self.loads[base] = (load, time.monotonic())
 
     # ---- per-request bookkeeping ------------------------------------------------------------------------
@@ -103,6 +125,13 @@ class EnginePool:
         self.breaker_config = breaker_config
         for br in self.breakers.values():
             br.reconfigure(breaker_config)
+
+    def token_for(self, url: str) -> str | None:
+        """The internal token of the engine at `url` (from the routing table the control plane fills)."""
+        if self._tokens_version != self.table.version:
+            self._tokens = {engine_base(e.url): e.token for _, e in self.table.engines() if e.token}
+            self._tokens_version = self.table.version
+        return self._tokens.get(engine_base(url))
 
     def acquire(self, url: str) -> None:
         base = engine_base(url)

@@ -23,7 +23,9 @@ from tenacity import (
     wait_random,
 )
 
+from llmdeploy.policies.capability import Capabilities
 from llmdeploy.router.normalize import UpstreamFailure
+from llmdeploy.router.provider import ProviderTransport
 
 log = logging.getLogger("llmdeploy.router.cloud")
 T = TypeVar("T")
@@ -76,10 +78,17 @@ class CloudClient:
         self._secrets = (key,) if key else ()
         self.max_retries = cloud_spec.max_retries
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        # the provider's dialect is translated at the transport (router/provider.py): the relay sees OpenAI's
+        transport = httpx.AsyncHTTPTransport(
+            verify=ssl_context(cloud_spec.ca_file),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cloud_spec.timeout_s, connect=cloud_spec.connect_timeout_s),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
-            verify=ssl_context(cloud_spec.ca_file),
+            transport=ProviderTransport(transport),
+        )
+        self.capabilities = Capabilities.for_cloud(
+            cloud_spec.provider, cloud_spec.capabilities, cloud_spec.max_model_len
         )
 
     def key_matches(self, cloud_spec, environ=None) -> bool:

@@ -57,9 +57,15 @@ class _Conn:
 
 class LocalResponse:
     def __init__(
-        self, client: LocalHTTP, key: tuple[str, int], conn: _Conn, status: int, headers: dict[str, str]
+        self,
+        client: LocalHTTP,
+        key: tuple[str, int],
+        conn: _Conn,
+        status: int,
+        headers: dict[str, str],
+        read_timeout_s: float,
     ):
-        self._client, self._key, self._conn = client, key, conn
+        self._client, self._key, self._conn, self._read_timeout_s = client, key, conn, read_timeout_s
         self.status_code, self.headers = status, headers
         self._length = int(headers["content-length"]) if "content-length" in headers else None
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
@@ -71,7 +77,7 @@ class LocalResponse:
 
     async def _read(self, coro):
         try:
-            async with _timeout(self._client.read_timeout_s):
+            async with _timeout(self._read_timeout_s):
                 return await coro
         except TimeoutError:
             raise httpx.ReadTimeout("the local engine did not answer in time") from None
@@ -135,7 +141,11 @@ class LocalHTTP:
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> LocalResponse:
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], read_timeout_s: float | None = None
+    ) -> LocalResponse:
+        """`read_timeout_s`: this request's limit on each wait for the engine (None: the client's default)."""
+        read_timeout_s = read_timeout_s or self.read_timeout_s
         parts = urlsplit(url)
         if parts.scheme != "http":
             raise httpx.UnsupportedProtocol(
@@ -155,8 +165,11 @@ class LocalHTTP:
                 conn, reused = await self._connect(key), False
             try:
                 conn.writer.write(request)
-                async with _timeout(self.read_timeout_s):
+                async with _timeout(read_timeout_s):
                     raw = await conn.reader.readuntil(b"\r\n\r\n")
+            except asyncio.CancelledError:
+                conn.close()  # the client left: closing is how the engine learns to abort the request
+                raise
             except TimeoutError:
                 conn.close()
                 raise httpx.ReadTimeout("the local engine did not answer in time") from None
@@ -167,7 +180,12 @@ class LocalHTTP:
                 raise httpx.RemoteProtocolError(
                     f"the local engine dropped the request ({type(exc).__name__})"
                 ) from None
-            return LocalResponse(self, key, conn, *self._parse_head(raw))
+            try:
+                status, answer_headers = self._parse_head(raw)
+            except httpx.HTTPError:
+                conn.close()
+                raise
+            return LocalResponse(self, key, conn, status, answer_headers, read_timeout_s)
         raise httpx.RemoteProtocolError("the local engine dropped the request")
 
     @staticmethod

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from llmdeploy.openai_api.errors import OpenAIError, context_length_exceeded, rate_limited
 
 log = logging.getLogger("llmdeploy.router.upstream")
@@ -198,3 +200,14 @@ def timeout_failure(backend: str) -> UpstreamFailure:
     where = "the cloud endpoint" if backend == "cloud" else "the local engine"
     err = OpenAIError(504, f"{where} did not answer in time.", code="upstream_timeout")
     return UpstreamFailure(err, retryable=True, failover=True, kind="timeout")
+
+
+def stream_cut(backend: str, exc: Exception | None = None) -> UpstreamFailure:
+    """A committed stream that broke: a timeout says so, anything else is a cut (never 'could not reach')."""
+    if isinstance(exc, httpx.TimeoutException):
+        return timeout_failure(backend)
+    why = f" ({type(exc).__name__})" if exc is not None else ""
+    err = OpenAIError(
+        502, f"The upstream stream was cut before it was complete{why}.", code="upstream_stream_cut"
+    )
+    return UpstreamFailure(err, False, False, kind="stream_cut")

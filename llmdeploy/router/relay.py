@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from llmdeploy.router.normalize import (
     body_error,
     connect_failure,
     normalize,
+    stream_cut,
     timeout_failure,
 )
 
@@ -49,6 +50,7 @@ class Exchange:
     text: list[str] = field(default_factory=list)
     failed_after_commit: str | None = None  # error kind
     stream_complete: bool = False  # the client got the stream's end ([DONE])
+    continued: str | None = None  # the backend that finished a stream after the first one failed
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,6 +65,7 @@ class Attempt:
     headers: dict[str, str]
     payload: bytes
     secrets: tuple[str, ...] = ()
+    read_timeout_s: float | None = None  # local engines: this request's limit (None: the client's default)
 
 
 def upstream_failure(exc: Exception, backend: str) -> UpstreamFailure:
@@ -77,7 +80,7 @@ async def _open(a: Attempt):
     """POST and wait for the status line: an httpx.Response (cloud) or a LocalResponse (engines)."""
     try:
         if isinstance(a.client, LocalHTTP):
-            resp = await a.client.post(a.url, a.payload, a.headers)
+            resp = await a.client.post(a.url, a.payload, a.headers, a.read_timeout_s)
         else:
             headers = {"content-type": "application/json", **a.headers}
             resp = await a.client.send(
@@ -187,11 +190,28 @@ class OpenStream:
     done: bool
     backend: str
     secrets: tuple[str, ...]
+    # set by the dispatcher when another backend may finish this stream should it fail after the commit point
+    resume: Callable[[], Awaitable[Continuation | None]] | None = None
 
 
-def rewrite_event(obj: dict[str, Any], raw: str, ex: Exchange) -> bytes | None:
+@dataclass
+class Continuation:
+    """Another backend's stream that finishes a failed one: its events carry `mark`; `finish(ok)` books it."""
+
+    stream: OpenStream
+    ex: Exchange
+    mark: dict[str, Any]
+    finish: Callable[[bool | None], None]  # True: it completed, False: it failed, None: the client left
+
+
+def rewrite_event(
+    obj: dict[str, Any], raw: str, ex: Exchange, mark: dict[str, Any] | None = None
+) -> bytes | None:
     """One chunk as the client gets it: alias as model, usage kept only if asked for; None drops it."""
     changed = False
+    if mark:
+        obj.update(mark)
+        changed = True
     if "usage" in obj:
         usage = obj.get("usage")
         if isinstance(usage, dict):
@@ -288,44 +308,88 @@ class RelayResponse(StreamingResponse):
                 await self.end()
 
 
+@dataclass
+class _Outcome:
+    done: bool = False  # [DONE] came
+    failure: UpstreamFailure | None = None
+
+
+async def _pump(s: OpenStream, ex: Exchange, out: _Outcome, mark: dict | None = None) -> AsyncIterator[bytes]:
+    """The events after the commit point, rewritten for the client, until [DONE] or a failure (in `out`)."""
+    try:
+        async for data in s.events:
+            if data.strip() == "[DONE]":
+                out.done = True
+                return
+            try:
+                obj = _event_json(data, s.backend)
+                if body_error(obj) is not None:
+                    raise normalize(200, obj, s.resp.headers, backend=s.backend, secrets=s.secrets)
+            except UpstreamFailure as f:
+                out.failure = f
+                return
+            if mark and not has_token(obj) and "usage" not in obj:
+                continue  # a continuation's opening `role: assistant` chunk: the client had one
+            b = rewrite_event(obj, data, ex, mark)
+            if b is not None:
+                yield b
+    except httpx.HTTPError as exc:
+        out.failure = stream_cut(s.backend, exc)
+        return
+    out.failure = stream_cut(s.backend)
+
+
 async def relay(s: OpenStream, ex: Exchange, end: RelayEnd) -> AsyncIterator[bytes]:
     """Everything after the commit point. `ex.stream_complete` is set once the client has been sent the end
     of the stream (`[DONE]`, possibly after an error event); a stream closed before is a client disconnect."""
     try:
         for b in s.held:
             yield b
-        if s.done:
+        out = _Outcome(done=s.done)
+        if not out.done:
+            async for b in _pump(s, ex, out):
+                yield b
+        if out.done:
             ex.stream_complete = True
             yield DONE
             return
-        try:
-            async for data in s.events:
-                if data.strip() == "[DONE]":
-                    ex.stream_complete = True
-                    yield DONE
-                    return
-                try:
-                    obj = _event_json(data, s.backend)
-                    if body_error(obj) is not None:
-                        raise normalize(200, obj, s.resp.headers, backend=s.backend, secrets=s.secrets)
-                except UpstreamFailure as f:
-                    ex.failed_after_commit = ex.failed_after_commit or f.kind
-                    ex.stream_complete = True
-                    yield f.error.sse_event() + DONE
-                    return
-                out = rewrite_event(obj, data, ex)
-                if out is not None:
-                    yield out
-        except httpx.HTTPError as exc:
-            f = upstream_failure(exc, s.backend)
-            ex.failed_after_commit, ex.stream_complete = f.kind, True
-            yield f.error.sse_event() + DONE
+        failure = out.failure or stream_cut(s.backend)
+        ex.failed_after_commit = ex.failed_after_commit or failure.kind
+        more = await s.resume() if s.resume is not None else None
+        if more is not None:
+            async for b in relay_continuation(more, ex):
+                yield b
             return
-        ex.failed_after_commit, ex.stream_complete = "stream_cut", True
-        err = OpenAIError(
-            502, "The upstream stream ended before it was complete.", code="upstream_stream_cut"
-        )
-        yield err.sse_event() + DONE
+        ex.stream_complete = True
+        yield failure.error.sse_event() + DONE
     finally:
         with anyio.CancelScope(shield=True):
             await end()
+
+
+def _marked(raw: bytes, mark: dict[str, Any]) -> bytes | None:
+    obj = json.loads(raw[len(b"data: ") :])
+    if not has_token(obj) and "usage" not in obj:
+        return None
+    return b"data: " + json.dumps({**obj, **mark}, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def relay_continuation(c: Continuation, ex: Exchange) -> AsyncIterator[bytes]:
+    """The rest of a stream from the backend that took over; its own failure ends the stream as usual."""
+    out = _Outcome(done=c.stream.done)
+    try:
+        for raw in c.stream.held:
+            if (b := _marked(raw, c.mark)) is not None:
+                yield b
+        if not out.done:
+            async for b in _pump(c.stream, c.ex, out, c.mark):
+                yield b
+        ex.stream_complete = True
+        yield DONE if out.done else (out.failure or stream_cut(c.stream.backend)).error.sse_event() + DONE
+    finally:
+        ex.content_events += c.ex.content_events
+        ex.text += c.ex.text
+        ex.completion_tokens = ex.content_events
+        with anyio.CancelScope(shield=True):
+            await close_quietly(c.stream.resp)
+        c.finish(True if out.done else False if out.failure else None)

@@ -5,24 +5,27 @@ Order (DESIGN rule 1) is kept by the caller: auth, then these, then the rate lim
 
 from __future__ import annotations
 
-import json
+import hashlib
 import re
 import uuid
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
+from llmdeploy.openai_api import bodies
 from llmdeploy.openai_api.errors import (
     OpenAIError,
     from_validation_errors,
-    invalid_json,
     invalid_request,
     model_not_found,
     payload_too_large,
 )
+from llmdeploy.openai_api.guard import answer_unexpected
 from llmdeploy.openai_api.schemas import ChatCompletionRequest, CompletionRequest
+from llmdeploy.policies.prompt_size import FALLBACK, PromptShape
 
-BYTES_PER_TOKEN = 4  # ~4 bytes of UTF-8 per token: 4 ASCII chars, or 1-2 CJK chars; good enough to predict
+PREFIX_KEY_BYTES = 512  # a completion prompt's prefix key: its first bytes (or ids), a few KV blocks' worth
 DEFAULT_MAX_TOKENS_GUESS = 256  # when the client sets no limit, plan KV room for this much output
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 SCHEMAS = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
@@ -36,31 +39,34 @@ def request_id(incoming: str | None) -> str:
 
 
 async def read_body(request, limit: int) -> bytes:
+    bodies.check_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise payload_too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise payload_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body (or cut by the server's read deadline): nobody to answer
+        raise client_closed() from None
     return b"".join(chunks)
 
 
-def _no_constants(name: str) -> None:
-    raise ValueError(
-        f"{name} is not valid JSON"
-    )  # Python's json accepts NaN/Infinity; JSON and upstreams do not
+def client_closed() -> OpenAIError:
+    return OpenAIError(499, "The client closed the request.", code="client_closed")
+
+
+async def until_disconnect(receive) -> None:
+    """Returns when the client disconnects (call it only once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise invalid_json("empty body")
-    try:
-        data = json.loads(raw, parse_constant=_no_constants)
-    except ValueError as exc:
-        raise invalid_json(str(exc)[:200]) from None
+    data = bodies.loads(raw)  # every failure (bad JSON, NaN, nesting, RecursionError) is 400 invalid_json
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
     return data
@@ -85,19 +91,47 @@ def validate(data: dict[str, Any], endpoint: str) -> ChatCompletionRequest | Com
         raise invalid_request(f"Invalid request: {str(exc)[:200]}") from None
 
 
-def _text_tokens(text: str) -> int:
-    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def prompt_shape(req: ChatCompletionRequest | CompletionRequest) -> PromptShape:
+    """Bytes, messages and token ids of the prompt: each engine turns them into tokens with its own tokenizer's
+    coefficients (llmdeploy/policies/prompt_size.py)."""
+    if isinstance(req, ChatCompletionRequest):
+        return PromptShape(sum(_utf8_len(m.text()) for m in req.messages), messages=len(req.messages))
+    p = req.prompt
+    if isinstance(p, str):
+        return PromptShape(_utf8_len(p))
+    if p and isinstance(p[0], int):
+        return PromptShape(token_ids=len(p))
+    texts = [x for x in p if isinstance(x, str)]
+    ids = sum(len(x) for x in p if not isinstance(x, str))
+    return PromptShape(sum(_utf8_len(x) for x in texts), prompts=max(1, len(texts)), token_ids=ids)
+
+
+def prefix_key(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """A hash of the prompt's part that later requests reuse (policies/affinity.py): a chat's messages up to and
+    including the first user message (the system prompt and the conversation's opening: every later turn
+    repeats them), a completion prompt's first PREFIX_KEY_BYTES bytes. A hash, so no prompt text is kept."""
+    if isinstance(req, ChatCompletionRequest):
+        first_user = next((i for i, m in enumerate(req.messages) if m.role == "user"), len(req.messages) - 1)
+        parts = [f"{m.role}\0{m.text()}" for m in req.messages[: first_user + 1]]
+        material = "\x1e".join(parts).encode("utf-8", "surrogatepass")
+    else:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of prompts: the first one's prefix
+        if isinstance(p, str):
+            material = b"t" + p.encode("utf-8", "surrogatepass")[:PREFIX_KEY_BYTES]
+        else:
+            material = b"i" + ",".join(str(t) for t in p[: PREFIX_KEY_BYTES // 4]).encode()
+    return hashlib.sha256(material).hexdigest()[:32] if len(material) > 1 else None
 
 
 def estimate_prompt_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
-    if isinstance(req, ChatCompletionRequest):
-        return sum(_text_tokens(m.text()) + 4 for m in req.messages)  # +4: role and template tokens
-    p = req.prompt
-    if isinstance(p, str):
-        return _text_tokens(p)
-    if p and isinstance(p[0], int):
-        return len(p)
-    return sum(_text_tokens(x) if isinstance(x, str) else len(x) for x in p)
+    """Without an engine's coefficients: about 4 bytes a token, 4 template tokens a message."""
+    return FALLBACK.tokens(prompt_shape(req))
 
 
 def planned_output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
@@ -130,12 +164,19 @@ class RequestIdMiddleware:
             (b"x-llmdeploy-revision", b"none"),
         )
 
+        started = False
+
         async def send_with_ids(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = list(message.get("headers", ()))
                 present = {k.lower() for k, _ in headers}
                 headers += [(k, v) for k, v in defaults if k not in present]
                 message["headers"] = headers
             await send(message)
 
-        await self.app(scope, receive, send_with_ids)
+        try:
+            await self.app(scope, receive, send_with_ids)
+        except Exception as exc:  # a bug: still a 500 in OpenAI's shape with the ids, logged once
+            await answer_unexpected(send_with_ids, started, exc, f"router request {rid}")

@@ -1,9 +1,12 @@
-"""Router.snapshot(): what `llmdeploy status` shows about routing (plain dicts, no secrets)."""
+"""Router.snapshot(): what `llmdeploy status` shows about routing (plain dicts, no secrets): revisions with their
+sliding windows, replicas with load and resources, cloud share, overflow reasons, the last hour and its cost."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from llmdeploy.policies.cost import HOUR_S, Prices
 from llmdeploy.policies.route import CLOUD, LOCAL
 
 LOAD_FIELDS = ("waiting", "running", "free_blocks", "total_blocks", "predicted_queue_wait_ms", "kv_usage")
@@ -23,6 +26,7 @@ def _replica(router, r) -> dict[str, Any]:
         "inflight": r.inflight,
         "breaker": router.pool.breaker(r.url).state,
         "load": None if r.load is None else {k: getattr(r.load, k) for k in LOAD_FIELDS},
+        "resources": r.load.resources.to_json() if r.load is not None and r.load.resources else None,
     }
 
 
@@ -31,8 +35,9 @@ def build_snapshot(router, now: float) -> dict[str, Any]:
     revisions = []
     for rev in router.pool.revision_states(now):
         w = router.windows.stats(rev.revision, now)
+        p50 = router.observer.series.revision_stats(time.time(), w.window_s, rev.revision)["ttft_p50_ms"]
         window = {"requests": w.requests, "errors": w.errors, "error_rate": w.error_rate,
-                  "ttft_p99_ms": w.ttft_p99_ms, "window_s": w.window_s}  # fmt: skip
+                  "ttft_p50_ms": p50, "ttft_p99_ms": w.ttft_p99_ms, "window_s": w.window_s}  # fmt: skip
         revisions.append({"revision": rev.revision, "role": rev.role, "percent": rev.percent, "ready": rev.ready,
                           "window": window, "replicas": [_replica(router, r) for r in rev.replicas]})  # fmt: skip
     requests = _samples(router.metrics.requests)
@@ -50,4 +55,6 @@ def build_snapshot(router, now: float) -> dict[str, Any]:
         },
         "requests": served,
         "overflow": {lbl["reason"]: v for lbl, v in _samples(router.metrics.overflow)},
+        "last_hour": router.observer.series.share(time.time(), HOUR_S),
+        "cost": router.observer.cost(Prices.from_spec(getattr(s.spec, "cost", None))),
     }

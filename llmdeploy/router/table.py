@@ -15,6 +15,7 @@ class EngineEndpoint:
     url: str
     replica: str
     ready: bool = True
+    token: str | None = field(default=None, repr=False)  # the engine's internal token (never logged)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmdeploy.policies.capability import Feature
+
 URL_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._~:-]*$")
 NAME_SAFE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -39,9 +41,15 @@ class ModelSpec(Section):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="auto: bfloat16 on CUDA; float32 on CPU, where bfloat16 is 1.4x faster but changes greedy output",
+        description="auto: bfloat16 on CUDA; on CPU bfloat16 where the CPU has AVX-512 BF16 or AMX and bf16 is "
+        "measured faster at start, else float32 (bfloat16 changes greedy output)",
     )
     max_model_len: int = Field(2048, ge=16, description="longest prompt + completion in tokens")
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: weight-only int8 with per-channel scales on CPU (a quarter of float32's weight bytes "
+        "for bandwidth-bound decode; greedy output may differ from float32)",
+    )
 
     @field_validator("path")
     @classmethod
@@ -169,6 +177,11 @@ class EngineSpec(Section):
         "auto", description="auto: triton on CUDA, torch on CPU"
     )
     seed: int = Field(0, description="default sampling seed of the engine")
+    compile: bool = Field(
+        False,
+        description="torch.compile the decoder layers on CPU (compiled code cached on disk under the llmdeploy "
+        "cache; the first start pays the compile)",
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -212,6 +225,13 @@ class CloudSpec(Section):
         2, ge=0, le=10, description="retries before the first token (connect errors, 429, 5xx)"
     )
     ca_file: str | None = Field(None, description="extra CA bundle for the cloud's certificate")
+    capabilities: list[Feature] | None = Field(
+        None,
+        description="what the cloud model supports (null: the provider's defaults); routing sends it only those",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="the cloud model's context length (null: not judged)"
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -265,9 +285,41 @@ class RoutingSpec(Section):
     burst: BurstSpec = Field(default_factory=BurstSpec)
     breaker: BreakerSpec = Field(default_factory=BreakerSpec)
     local_wait_s: float = Field(
-        30, ge=0, description="how long a request that may not leave the machine waits locally before 503"
+        30,
+        ge=0,
+        description="the most a request that may not leave the machine waits for local room; a predicted longer"
+        " wait gets 503 with Retry-After at once",
     )
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="request bodies over this get 413")
+    replica_choice: Literal["prefix", "least_loaded"] = Field(
+        "prefix",
+        description="prefix: a request goes to the replica its prompt's prefix (a chat's system prompt and first "
+        "user message, a completion prompt's first 512 bytes) hashes to, whose prefix cache likely holds it, "
+        "unless that replica is over the load bound; least_loaded: the least loaded replica",
+    )
+    prefix_load_slack: float = Field(
+        0.25,
+        ge=0,
+        le=10,
+        description="with replica_choice prefix, a replica holding ceil((1 + this) x the mean load) requests is "
+        "passed over for the next one in the prefix's order, so one hot prefix cannot overload one replica",
+    )
+    local_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="least time a local request may take before it is cut and answered 504 (timeout); a "
+        "non-stream request gets more: its queue wait and max_tokens at the engine's measured decode rate, x4",
+    )
+    continue_on_failure: Literal["off", "cloud"] = Field(
+        "off",
+        description="cloud: a local stream that fails after its first token is finished by the cloud (the text so "
+        'far as an assistant prefix); the chunks from the cloud carry "llmdeploy": {"continued_on": "cloud"}',
+    )
+
+    @field_validator("continue_on_failure", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        return "off" if v is False else v  # YAML 1.1 reads an unquoted `off` as false
 
 
 class AutoRollbackSpec(Section):
@@ -297,6 +349,23 @@ class RolloutSpec(Section):
         return v.lower()
 
 
+class CostSpec(Section):
+    """Prices that turn token counts into money: what the spill to the cloud costs and what local serving costs."""
+
+    cloud_input_per_1m: float | None = Field(
+        None, ge=0, description="what the cloud charges per 1M input (prompt) tokens (null: not shown)"
+    )
+    cloud_output_per_1m: float | None = Field(
+        None, ge=0, description="what the cloud charges per 1M output (completion) tokens"
+    )
+    local_per_hour: float | None = Field(
+        None, ge=0, description="what this machine costs per hour (rent, or its price over its life + power)"
+    )
+    currency: str = Field(
+        "USD", min_length=1, max_length=8, description="label printed next to the figures (no conversion)"
+    )
+
+
 class DeploymentSpec(Section):
     name: str = Field("chat", description="deployment name; key of the state directory")
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -310,6 +379,7 @@ class DeploymentSpec(Section):
     cloud: CloudSpec = Field(default_factory=CloudSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    cost: CostSpec = Field(default_factory=CostSpec)
 
     @field_validator("name")
     @classmethod

@@ -150,7 +150,8 @@ def test_plan_prints_the_normalised_spec_and_the_estimate(small_spec):
     blocks = (1 << 28) // (per_token * 16)
     assert f"{per_token:,} B" in out
     assert f"{blocks * 16:,} tokens = {blocks * 16 // 1024:,} sequences of max_model_len 1024" in out
-    assert "weights memory" in out and "arrives with the control plane" in out
+    assert "weights memory" in out and "none applied yet" in out  # this name was never applied here
+    assert f"= {blocks * 16 // 768:,} concurrent sequences of 512 + 256 tokens (average)" in out
     assert SECRET not in r.output
 
 
@@ -168,7 +169,7 @@ def test_render_plan_shows_a_diff_when_given():
     console = Console(record=True, width=120)
     console.print(render_plan(DeploymentSpec(), diff=["- parallel.replicas: 1", "+ parallel.replicas: 2"]))
     text = console.export_text()
-    assert "+ parallel.replicas: 2" in text and "arrives with the control plane" not in text
+    assert "+ parallel.replicas: 2" in text and "none applied yet" not in text
 
 
 def test_version_and_help_with_examples():

@@ -50,6 +50,9 @@ def rig(tmp_path_factory, tiny_llama):
         ),
         "invalid": write_spec(root / "bad.yaml", {**v1, "engine": {"max_num_seqs": 0, "blok_size": 16}}),
     }
+    files["v2c30"] = write_spec(
+        root / "v2c30.yaml", {**yaml.safe_load(files["v2"].read_text()), "rollout": {"canary_percent": 30}}
+    )
     rig = {
         "cli": cli,
         "files": files,
@@ -201,10 +204,29 @@ def test_pin_header_picks_a_revision(rig):
     assert 400 <= unknown.status_code < 500 and "error" in unknown.json()
 
 
+def test_reapplying_a_new_canary_percent_moves_the_running_candidate(rig):
+    """Issue 12: hot reload used to ignore rollout.canary_percent while a candidate was running."""
+    r = rig["cli"].ok("apply", str(rig["files"]["v2c30"]))
+    assert "candidate revision 2 now takes 30% of traffic" in r.stdout
+    assert split_of(rig["cli"].status(NAME)) == {1: 70.0, 2: 30.0}
+    r = rig["cli"].ok("apply", str(rig["files"]["v2"]))  # back to the file's 0%
+    assert "candidate revision 2 now takes 0% of traffic" in r.stdout
+    assert split_of(rig["cli"].status(NAME)) == {1: 100.0, 2: 0.0}
+    rig["cli"].ok("canary", "--percent", "10")  # by hand, as before: the next steps start from there
+    assert split_of(rig["cli"].status(NAME)) == {1: 90.0, 2: 10.0}
+
+
+def test_plan_shows_the_diff_and_the_running_engines_throughput_ceiling(rig):
+    r = rig["cli"].ok("plan", str(rig["files"]["v2c30"]), "--prompt-len", "64", "--output-len", "32")
+    assert "rollout.canary_percent" in r.stdout and "concurrent sequences of 64 + 32 tokens" in r.stdout
+    assert "Measured throughput ceiling" in r.stdout
+    assert re.search(r"rev 1 \S+ .* ms/token", r.stdout) and re.search(r"rev 2 \S+", r.stdout)
+
+
 def test_kill_9_of_the_daemon_mid_canary_then_apply_recovers_the_same_state(rig):
     before = rig["cli"].status(NAME)
     os.kill(before["daemon"]["pid"], signal.SIGKILL)
-    wait_for(lambda: not port_open(rig["port"]), 10, what="router port to close")
+    wait_for(lambda: not port_open(rig["port"]), 60, what="router port to close")
     offline = rig["cli"].status(NAME)
     assert not offline["daemon"]["running"] and split_of(offline) == {1: 90.0, 2: 10.0}
     r = rig["cli"].ok("apply", str(rig["files"]["v2"]))
@@ -260,7 +282,7 @@ def test_canary_100_promotes_and_stops_the_old_stable(rig):
     assert "revision 3 promoted" in r.stdout
     st = rig["cli"].status(NAME)
     assert split_of(st) == {3: 100.0} and revision(st, 1)["state"] == "retired"
-    wait_for(lambda: not any(pid_alive(p) for p in old_pids), 30, what="old stable engines to exit")
+    wait_for(lambda: not any(pid_alive(p) for p in old_pids), 120, what="old stable engines to exit")
     r = rig["cli"].run("promote")
     assert r.returncode == 1 and "no candidate revision" in r.stderr
 

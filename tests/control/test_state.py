@@ -12,7 +12,7 @@ from llmdeploy.control import revisions as rv
 from llmdeploy.control.keys import hash_key, plan_keys
 from llmdeploy.control.locking import deployment_lock
 from llmdeploy.control.paths import DeploymentNotFound, DeploymentPaths, resolve_name
-from llmdeploy.control.state import StateStore
+from llmdeploy.control.state import SCHEMA_VERSION, StateStore
 from llmdeploy.spec.models import DeploymentSpec
 
 
@@ -124,7 +124,9 @@ def test_schema_version_is_recorded(home):
     paths = DeploymentPaths.of("chat").create()
     StateStore(paths.state_db).close()
     with sqlite3.connect(paths.state_db) as db:
-        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (
+            str(SCHEMA_VERSION),
+        )
 
 
 def _rev(id: int, served: bool, spec_hash: str, state: str = "retired"):

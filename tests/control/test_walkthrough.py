@@ -20,6 +20,7 @@ def walkthrough_text() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 1.5-3 min; each step is also a test of tests/control/test_gray_release.py
 @pytest.mark.timeout(900)
 def test_gray_release_walkthrough_runs_as_written(tmp_path):
     pytest.importorskip("gguf")

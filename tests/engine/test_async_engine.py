@@ -11,6 +11,20 @@ from llmdeploy.engine.errors import ContextLengthError, ParamError, RequestFaile
 from tests.engine.test_engine_parity import hf_greedy, prompts
 
 LOAD_KEYS = {
+    "decoding",
+    "ttft_ms_by_prompt_len",
+    "ttft_sla_ms",
+    "deadline_ms_by_prompt_len",
+    "ttft_by_class",
+    "step_cost",
+    "prompt_size",
+    "dtype",
+    "dtype_reason",
+    "quantization",
+    "capabilities",
+    "resources",
+    "decode_step_ms_by_batch",
+    "max_num_batched_tokens",
     "waiting",
     "running",
     "free_blocks",

@@ -1,4 +1,5 @@
-"""Greedy output of the engine == transformers' generate, token for token, on tiny random models."""
+"""Greedy output of the engine == transformers' generate, token for token, on tiny random models. float32 on both
+sides, named explicitly: `dtype: auto` is bfloat16 on CPUs with native bf16 matmuls."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def assert_parity(llm: LLM, path, batch: list[list[int]], params=GREEDY) -> None
 @pytest.mark.parametrize("arch", ARCHS)
 def test_single_requests(tiny_model, arch):
     path = tiny_model(arch)
-    llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
     for p in prompts(3, seed=1):
         assert_parity(llm, path, [p])
 
@@ -66,14 +67,14 @@ def test_single_requests(tiny_model, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sixteen_requests_of_different_lengths_batched(tiny_model, arch):
     path = tiny_model(arch)
-    llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
     assert_parity(llm, path, BATCH)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_caching_shared_system_prompt(tiny_model, arch):
     path = tiny_model(arch)
-    llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01, prefix_caching=True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gb=0.01, prefix_caching=True)
     system = prompts(1, seed=3, lo=40, hi=40)[0]
     batch = prompts(8, seed=4, lo=2, hi=20, prefix=system)
     assert_parity(llm, path, batch[:1])  # warms the cache
@@ -88,7 +89,14 @@ def test_prefix_caching_shared_system_prompt(tiny_model, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_forced_small(tiny_model, arch):
     path = tiny_model(arch)
-    llm = LLM(model=str(path), max_model_len=256, kv_cache_gb=0.01, max_num_batched_tokens=16, block_size=16)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_gb=0.01,
+        max_num_batched_tokens=16,
+        block_size=16,
+    )
     assert_parity(llm, path, BATCH[::3])
 
 
@@ -96,7 +104,7 @@ def test_chunked_prefill_forced_small(tiny_model, arch):
 def test_under_preemption(tiny_model, arch):
     path = tiny_model(arch)
     # a tiny cache: 16 requests cannot all hold their blocks at once
-    llm = LLM(model=str(path), max_model_len=128, kv_cache_gb=0.00024, prefix_caching=False)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, kv_cache_gb=0.00024, prefix_caching=False)
     assert llm.engine.block_manager.num_blocks < 40
     assert_parity(llm, path, BATCH)
     assert llm.engine.stats().num_preemptions > 0
@@ -104,7 +112,9 @@ def test_under_preemption(tiny_model, arch):
 
 def test_prefix_caching_with_preemption_and_small_chunks(tiny_model):
     path = tiny_model("llama")
-    llm = LLM(model=str(path), max_model_len=128, kv_cache_gb=0.00012, max_num_batched_tokens=16)
+    llm = LLM(
+        model=str(path), dtype="float32", max_model_len=128, kv_cache_gb=0.00012, max_num_batched_tokens=16
+    )
     system = prompts(1, seed=7, lo=33, hi=33)[0]
     assert_parity(llm, path, prompts(16, seed=8, lo=5, hi=30, prefix=system))
     stats = llm.engine.stats()
@@ -112,11 +122,15 @@ def test_prefix_caching_with_preemption_and_small_chunks(tiny_model):
 
 
 def test_long_context_decodes_next_to_short_ones(tiny_llama, monkeypatch):
-    """The torch decode op pads to the longest context of the batch; a long context among short ones runs apart."""
-    from llmdeploy.kernels import reference
+    """The torch gather path of the decode op (no C compiler) pads to the longest context of the batch; a long
+    context among short ones runs apart. The short requests arrive once the long one decodes, so that they share
+    decode steps whatever the scheduler's prefill order."""
+    from llmdeploy.kernels import cpu_native, reference
 
-    llm = LLM(model=str(tiny_llama), max_model_len=1024, kv_cache_gb=0.02)
-    batch = prompts(1, seed=10, lo=600, hi=600) + prompts(6, seed=11, lo=5, hi=30)
+    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=1024, kv_cache_gb=0.02)
+    engine = llm.engine
+    long_prompt, short = prompts(1, seed=10, lo=600, hi=600)[0], prompts(6, seed=11, lo=5, hi=30)
     batches, apart = [], []
     decode, one = reference.paged_attention_decode, reference.decode_one_sequence
     monkeypatch.setattr(
@@ -125,19 +139,28 @@ def test_long_context_decodes_next_to_short_ones(tiny_llama, monkeypatch):
     monkeypatch.setattr(
         reference, "decode_one_sequence", lambda q, *a: apart.append((batches[-1], a[3])) or one(q, *a)
     )
-    assert_parity(llm, tiny_llama, batch)
+    engine.add_request("long", long_prompt, GREEDY)
+    while not any(s.num_output_tokens for s in engine.scheduler.running):
+        engine.step()
+    for i, p in enumerate(short):
+        engine.add_request(f"short-{i}", p, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert done["long"] == hf_greedy(tiny_llama, long_prompt)
+    assert [done[f"short-{i}"] for i in range(6)] == [hf_greedy(tiny_llama, p) for p in short]
     assert any(size >= 6 and n > 600 for size, n in apart)  # the long one left a batch of 6 or more
 
 
 def test_all_blocks_free_after_generate(tiny_llama):
-    llm = LLM(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
     llm.generate(prompts(5, seed=9), GREEDY)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
 
 
 def test_text_prompts_and_chat(tiny_llama):
-    llm = LLM(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
     out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     ids = llm.tokenizer.encode("Hello world")
     assert out.prompt_token_ids == ids and out.outputs[0].token_ids == hf_greedy(tiny_llama, ids, 8)
@@ -150,7 +173,7 @@ def test_text_prompts_and_chat(tiny_llama):
 
 
 def test_metrics_timestamps_are_ordered(tiny_llama):
-    llm = LLM(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01)
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
     m = llm.generate([[5, 6, 7]], GREEDY)[0].metrics
     assert (
         m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time

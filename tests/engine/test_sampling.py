@@ -227,3 +227,15 @@ def test_logprobs_match_transformers(llm, tiny_llama):
         assert lp.token_id == out.token_ids[i] == lp.top[0][0]  # greedy: the chosen one is the best
         assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-4)
         assert [v for _, v in lp.top] == pytest.approx(ref[i].topk(5).values.tolist(), abs=1e-4)
+
+
+def test_a_top_k_beyond_any_integer_type_is_no_top_k_and_fails_no_neighbour(llm):
+    """Schemathesis sent top_k = 2**70: the sampler's tensor overflowed and every request in that step failed."""
+    p = prompts(2, seed=17)
+    huge = SamplingParams(temperature=1.0, top_k=2**70, seed=5, max_tokens=8, ignore_eos=True)
+    off = SamplingParams(temperature=1.0, top_k=-1, seed=5, max_tokens=8, ignore_eos=True)
+    neighbour = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(p, [huge, neighbour])
+    alone = llm.generate(p[:1], off)[0]
+    assert out[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(out[1].outputs[0].token_ids) == 8

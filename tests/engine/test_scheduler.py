@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
-from llmdeploy.engine.scheduler import LongPrefillLimits, chunk_cost, chunk_within_cost, long_prefill_limits
+from llmdeploy.engine.prefill_limits import LongPrefillLimits, long_prefill_limits
+from llmdeploy.engine.scheduler import chunk_cost, chunk_within_cost
 from llmdeploy.engine.sequence import SequenceStatus
-from tests.engine.sim import make_scheduler, run_all, seq, step
+from tests.engine.sim import make_scheduler, run_all, seq, step, step_seconds
 
 
 def test_decodes_first_then_prefill_gets_the_rest_of_the_budget():
@@ -49,15 +50,21 @@ def test_several_partial_prefills_share_a_step():
     assert [(s, n) for s, n in batch.prefills] == [(a, 10), (b, 12)]
 
 
-def test_shortest_remaining_prefill_goes_first():
+def test_a_short_prompt_overtakes_a_long_one_that_arrived_earlier():
+    """Earliest deadline first (1 ms a token here): 5 tokens are due 10 ms after arrival, 200 tokens 400 ms after."""
     sched = make_scheduler(max_num_batched_tokens=16, num_blocks=128)
     long = seq(200)
     sched.add(long)
     step(sched)
     short = seq(5, start=1000)
     sched.add(short)
+    assert sched.deadline(short) < sched.deadline(long)
     batch = sched.schedule()
-    assert batch.prefills == [(short, 5)]  # ahead of the long one's next chunk
+    assert batch.prefills[0] == (
+        short,
+        5,
+    )  # ahead of the long one's next chunk, which rides within its deadline
+    assert sched.clock() + step_seconds(sched, batch) <= sched.deadline(short) + 1e-9
 
 
 def test_aging_bounds_how_long_a_long_prompt_waits():
@@ -79,8 +86,8 @@ def test_aging_bounds_how_long_a_long_prompt_waits():
     assert long.is_finished
 
 
-def test_a_step_that_completes_a_prompt_carries_no_young_partial_chunk():
-    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128, aging_steps=100)
+def test_a_partial_chunk_joins_a_step_that_completes_a_prompt_only_within_its_deadline():
+    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128)
     other = seq(4, max_tokens=50, start=900)
     sched.add(other)
     step(sched)
@@ -88,28 +95,28 @@ def test_a_step_that_completes_a_prompt_carries_no_young_partial_chunk():
     sched.add(long)
     batch = step(sched)
     assert batch.decodes == [other] and batch.prefills == [(long, 31)]
-    short = seq(6, start=500)
-    sched.add(short)
-    batch = step(sched)
-    assert batch.prefills == [(short, 6)]  # the short prompt's step stays short
-    batch = step(sched)
-    assert batch.prefills == [(long, 30)]  # two decodes now
+    late = seq(6, start=500)
+    sched.add(late, arrival=sched.clock() - 1.0)  # already past its deadline
+    assert step(sched).prefills == [(late, 6)]  # the late prompt's step carries nothing else
+    fresh = seq(6, start=700)
+    sched.add(fresh)  # due 12 ms from now at 1 ms a token: 6 for itself, 6 to spare
+    assert step(sched).prefills == [(fresh, 6), (long, 6)]
+    assert step(sched).prefills == [(long, 29)]  # three decodes now
 
 
-def test_an_aged_partial_chunk_goes_before_short_ones():
-    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128, aging_steps=2)
+def test_a_long_prompt_whose_deadline_comes_first_goes_first():
+    """No starvation: once a long prompt's deadline is the earliest, it goes first whatever arrives."""
+    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128)
     other = seq(4, max_tokens=50, start=900)
     sched.add(other)
     step(sched)
     long = seq(100)
     sched.add(long)
     assert step(sched).prefills == [(long, 31)]
-    for i in range(2):  # short prompts take two steps in a row: the long one starves
-        sched.add(seq(6, start=500 + 10 * i))
-        assert [s for s, _ in step(sched).prefills] != [long]
+    sched.clock.t = sched.deadline(long) - 0.005  # a 6-token prompt arriving now is due in 12 ms: after it
     short = seq(6, start=700)
     sched.add(short)
-    assert step(sched).prefills[0][0] is long  # aged: first, whatever waits behind it
+    assert step(sched).prefills == [(long, 31)]  # first, and its chunk takes the whole token budget
     assert short.num_output_tokens == 0
 
 
@@ -184,27 +191,31 @@ def test_long_prompt_chunks_are_capped_while_others_run():
     assert [n for s, n in step(alone).prefills] == [64]  # nothing else in the engine: the whole budget
 
 
-def test_short_prompts_go_before_long_ones_and_their_step_carries_no_long_chunk():
+def test_short_prompts_go_before_long_ones_and_long_chunks_ride_only_within_their_deadline():
     sched, other = busy_long_prefill_scheduler()
     long = seq(200)
     sched.add(long)
     for _ in range(5):
         assert step(sched).prefills == [(long, 24)]
     short = seq(30, start=500)  # more tokens left than the long prompt's next chunk, yet first
-    sched.add(short)
-    assert step(sched).prefills == [(short, 30)]  # its first token comes from a step without long work
+    sched.add(short)  # due in 60 ms: room for a whole long chunk after its own 30
+    assert step(sched).prefills == [(short, 30), (long, 24)]
+    late = seq(30, start=600)
+    sched.add(late, arrival=sched.clock() - 1.0)
+    assert step(sched).prefills == [(late, 30)]  # its first token comes from a step without long work
     assert step(sched).prefills == [(long, 24)]
 
 
 def test_a_long_prompt_stays_long_to_its_last_chunk():
-    """Its last chunks are as small as a short prompt but stay out of the short prompts' steps."""
+    """Its last chunks are as small as a short prompt but still count against the long budget."""
     sched, other = busy_long_prefill_scheduler()
     long = seq(40)
     sched.add(long)
     assert step(sched).prefills == [(long, 24)]
     short = seq(20, start=500)  # more tokens than the long prompt has left (16)
-    sched.add(short)
+    sched.add(short, arrival=sched.clock() - 1.0)
     assert step(sched).prefills == [(short, 20)]
+    assert long.seq_id in sched.long_prefills
     assert step(sched).prefills == [(long, 16)]
 
 
@@ -230,13 +241,11 @@ def test_a_prefix_cache_hit_can_make_a_long_prompt_short():
 
 
 def test_long_prefill_limits_follow_the_budget_on_fast_devices_and_time_on_slow_ones():
-    fast = long_prefill_limits(2048, prefill_s_per_token=1e-6)  # a GPU: 0.1 s is 100k tokens
+    fast = long_prefill_limits(2048, in_step=100_000)  # a GPU: the step-time bound is 100k tokens
     assert fast == LongPrefillLimits(threshold=1024, budget=768, budget_alone=2048)
-    slow = long_prefill_limits(2048, prefill_s_per_token=0.1 / 130)  # the 2-core CPU: 130 tokens in 0.1 s
+    slow = long_prefill_limits(2048, in_step=130)  # the 2-core CPU
     assert slow == LongPrefillLimits(threshold=260, budget=130, budget_alone=130)
-    assert long_prefill_limits(256, 0.1 / 130) == LongPrefillLimits(
-        threshold=128, budget=96, budget_alone=130
-    )
+    assert long_prefill_limits(256, 130) == LongPrefillLimits(threshold=128, budget=96, budget_alone=130)
 
 
 def test_a_lone_long_prompt_is_capped_by_the_alone_budget():
@@ -246,7 +255,7 @@ def test_a_lone_long_prompt_is_capped_by_the_alone_budget():
     sched.add(long)
     assert [n for s, n in step(sched).prefills] == [40]
     short = seq(10, start=500)
-    sched.add(short)
+    sched.add(short, arrival=sched.clock() - 1.0)
     assert step(sched).prefills == [(short, 10)]  # first, in a step without long work
     assert step(sched).prefills == [
         (long, 24)

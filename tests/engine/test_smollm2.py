@@ -9,7 +9,9 @@ import pytest
 
 from tests.helpers.procs import ServerProcess, free_port
 
-pytestmark = pytest.mark.slow
+# full: the same model's greedy parity (tests/engine/test_models.py) and its HTTP serving (tests/sla,
+# tests/guided/test_readme_examples.py) run in CI; this end-to-end check runs with scripts/test.sh -m full
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 ALIAS = "smollm2"
 
 

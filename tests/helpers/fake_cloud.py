@@ -30,6 +30,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
+
 DEFAULTS: dict[str, Any] = {
     "delay_s": 0.0,
     "chunk_delay_s": 0.0,
@@ -58,6 +60,9 @@ DEFAULTS: dict[str, Any] = {
         "ready": True,
     },
     "fail": [],
+    # tool calls and JSON mode (issue 16): the dialect of the tool-call answers, JSON wrapped in a fence
+    "tool_dialect": "openai",  # openai | legacy (function_call, object arguments) | loose (no ids/index)
+    "json_fence": False,
 }
 SECRET_HEADERS = {"authorization", "api-key"}
 
@@ -117,6 +122,7 @@ def create_app(expected_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "fake"}]}
 
     async def serve(request: Request, kind: str) -> Response:
+        arrived = time.monotonic()
         body = await request.json()
         presented = request.headers.get("authorization", "")
         auth_ok = expected_key is None or presented == f"Bearer {expected_key}"
@@ -166,6 +172,14 @@ def create_app(expected_key: str | None = None) -> FastAPI:
                 headers=fail.get("headers") or {},
                 media_type="application/json",
             )
+        structured = structured_reply(body, st.cfg)
+        if structured is not None and body.get("stream"):
+            return StreamingResponse(
+                structured_stream(kind, structured, body, st.cfg), media_type="text/event-stream"
+            )
+        if structured is not None:
+            st.stats["completed"] += 1
+            return JSONResponse(structured_answer(kind, structured, body, st.cfg))
         words = st.cfg["reply"].split(" ")
         words = [w if i == 0 else " " + w for i, w in enumerate(words)]
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -198,7 +212,9 @@ def create_app(expected_key: str | None = None) -> FastAPI:
                     "model": model,
                     "choices": [choice],
                     "usage": usage,
-                }
+                },
+                # as our engines do: its own time to the first token (all of it here, the answer is instant)
+                headers={ENGINE_TTFT_HEADER: f"{(time.monotonic() - arrived) * 1000:.1f}"},
             )
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(
@@ -266,6 +282,136 @@ def create_app(expected_key: str | None = None) -> FastAPI:
     return app
 
 
+# ---- tool calls and JSON mode, in the provider's shape ----------------------------------------------------
+
+
+def sample(schema: Any) -> Any:
+    """A small value that fits a JSON schema (the kinds tests send)."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return sample(schema[key][0])
+    kind = schema.get("type", "object")
+    kind = kind[0] if isinstance(kind, list) else kind
+    if kind == "object":
+        return {k: sample(v) for k, v in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [sample(schema.get("items") or {}) for _ in range(schema.get("minItems", 1))]
+    return {"string": "text", "integer": schema.get("minimum", 1), "number": 1.5, "boolean": True}.get(kind)
+
+
+def structured_reply(body: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """{"call": (name, args)} or {"json": text} when the request asks for a tool call or JSON, else None."""
+    tools = [t.get("function") or {} for t in body.get("tools") or []]
+    choice = body.get("tool_choice")
+    if tools and choice not in (None, "none", "auto"):
+        name = choice["function"]["name"] if isinstance(choice, dict) else tools[0].get("name")
+        fn = next(t for t in tools if t.get("name") == name)
+        return {"call": (name, sample(fn.get("parameters") or {"type": "object"}))}
+    rf = body.get("response_format") or {}
+    if rf.get("type") in ("json_object", "json_schema"):
+        schema = (rf.get("json_schema") or {}).get("schema") if rf["type"] == "json_schema" else None
+        text = json.dumps(sample(schema) if schema else {"answer": cfg["reply"]})
+        return {"json": f"```json\n{text}\n```" if cfg["json_fence"] else text}
+    return None
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    prompt = len(json.dumps(body.get("messages") or body.get("prompt") or "")) // 4 + 1
+    return {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+
+
+def structured_answer(kind: str, reply: dict[str, Any], body: dict[str, Any], cfg: dict[str, Any]) -> dict:
+    if "json" in reply:
+        msg: dict[str, Any] = {"role": "assistant", "content": reply["json"]}
+        finish = "stop"
+    else:
+        name, args = reply["call"]
+        dialect = cfg["tool_dialect"]
+        if dialect == "legacy":
+            msg, finish = (
+                {"role": "assistant", "content": "", "function_call": {"name": name, "arguments": args}},
+                "function_call",
+            )
+        elif dialect == "loose":
+            msg, finish = (
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": name, "arguments": args}}],
+                },
+                "stop",
+            )
+        else:
+            call = {
+                "id": f"call_{uuid.uuid4().hex[:8]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)},
+            }
+            msg, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [{"index": 0, "message": msg, "finish_reason": finish}],
+        "usage": _usage(body),
+    }
+
+
+async def structured_stream(kind: str, reply: dict[str, Any], body: dict[str, Any], cfg: dict[str, Any]):
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex[:12]}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": body.get("model"),
+    }
+
+    def event(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return f"data: {json.dumps({**head, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}]})}\n\n".encode()
+
+    yield event({"role": "assistant", "content": ""})
+    if "json" in reply:
+        text = reply["json"]
+        for i in range(0, len(text), 7):
+            yield event({"content": text[i : i + 7]})
+        yield event({}, "stop")
+    else:
+        name, args = reply["call"]
+        text = json.dumps(args)
+        pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+        dialect = cfg["tool_dialect"]
+        if dialect == "legacy":
+            yield event({"function_call": {"name": name, "arguments": ""}})
+            for p in pieces:
+                yield event({"function_call": {"arguments": p}})
+            yield event({}, "function_call")
+        elif dialect == "loose":
+            yield event({"content": "", "tool_calls": [{"function": {"name": name}}]})
+            for p in pieces:
+                yield event({"tool_calls": [{"function": {"arguments": p}}]})
+            yield event({}, "stop")
+        else:
+            first = {
+                "index": 0,
+                "id": f"call_{uuid.uuid4().hex[:8]}",
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+            yield event({"tool_calls": [first]})
+            for p in pieces:
+                yield event({"tool_calls": [{"index": 0, "function": {"arguments": p}}]})
+            yield event({}, "tool_calls")
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(body)})}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
 class FakeCloud:
     """Test-side handle of a running fake: start/stop it as a real process and steer it."""
 
@@ -282,7 +428,7 @@ class FakeCloud:
         self.proc = ServerProcess(
             args, f"{self.base}/health", Path(tmp_dir) / f"fake-cloud-{self.port}.log", env=env, timeout_s=60
         )
-        self.http = httpx.Client(base_url=self.base, timeout=10, verify=False)
+        self.http = httpx.Client(base_url=self.base, timeout=60, verify=False)
 
     def start(self) -> FakeCloud:
         self.proc.start()

@@ -28,7 +28,7 @@ class ServerProcess:
         health_url: str,
         log_path: Path,
         env: dict | None = None,
-        timeout_s: float = 120,
+        timeout_s: float = 300,
     ):
         self.args, self.health_url, self.log_path, self.timeout_s = (
             args,

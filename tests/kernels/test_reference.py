@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels import reference as ops
 
 D = 32
@@ -70,8 +71,18 @@ SHAPES = [  # (context lens, kv heads, gqa group, block size, shared blocks)
 ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decode attention through the compiled kernel (K/V read in place) and through the torch gather path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_native, "library", lambda: None)
+    elif not cpu_native.available():
+        pytest.skip("the native CPU kernels do not build here (no C compiler)")
+    return request.param
+
+
 @pytest.mark.parametrize("lens,hkv,group,block_size,share", SHAPES)
-def test_decode_matches_dense(lens, hkv, group, block_size, share):
+def test_decode_matches_dense(lens, hkv, group, block_size, share, decode_path):
     kv = PagedKV(lens, hkv, block_size, share)
     q = torch.randn(len(lens), hkv * group, D)
     context_lens = torch.tensor(lens, dtype=torch.int32)
@@ -108,7 +119,7 @@ def test_prefill_chunks_match_dense(lens, hkv, group, block_size, share):
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_cache_attention_is_close():
+def test_bfloat16_cache_attention_is_close(decode_path):
     kv = PagedKV([20, 7], 2, 16)
     q = torch.randn(2, 8, D, dtype=torch.bfloat16)
     out = ops.paged_attention_decode(

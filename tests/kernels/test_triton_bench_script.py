@@ -51,6 +51,7 @@ def test_quick_kernel_part_on_cpu(tmp_path):
     assert "decode" in proc.stdout and "engine: skipped" in proc.stdout
 
 
+@pytest.mark.full  # 25 s of interpreted Triton; test_quick_kernel_part_on_cpu runs the same script's plumbing
 def test_engine_part_logic_on_cpu_with_a_tiny_config():
     """The GPU-only engine comparison, run on CPU (interpreted kernels) with a tiny config, so its plumbing
     (random model + tokenizer, transformers' static batches, the engine's warm-up and timed run) is checked."""
@@ -76,4 +77,8 @@ def test_engine_part_logic_on_cpu_with_a_tiny_config():
     assert "error" not in result, result.get("error")
     assert [r["batch_size"] for r in result["transformers_runs"]] == [2, 3]
     assert result["transformers"]["output_tokens"] == result["llmdeploy"]["output_tokens"] == 9
-    assert result["speedup"] > 0 and isinstance(result["met"], bool)
+    # plumbing only: the interpreted kernels' speed depends on the machine, so no ratio is judged here
+    assert isinstance(result["speedup"], float) and result["speedup"] >= 0
+    assert isinstance(result["met"], bool)
+    for side in ("transformers", "llmdeploy"):
+        assert isinstance(result[side]["output_tokens_per_s"], float)

@@ -126,7 +126,7 @@ class RouterServer:
         async def run():
             return fn(*args)
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(60)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -194,7 +194,7 @@ def cloud_url(fc: FakeCloud) -> str:
     return f"{fc.base}/v1"
 
 
-def wait_until(pred, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
+def wait_until(pred, timeout_s: float = 30.0, every_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():

@@ -142,7 +142,7 @@ def test_egress_denied_request_waits_for_engine_to_come_back(fakes, start_router
         time.sleep(0.5)
         assert not fut.done()
         engine.control(load=IDLE)
-        r = fut.result(10)
+        r = fut.result(120)
     assert r.status_code == 200 and r.headers["x-llmdeploy-backend"] == "local"
     assert cloud.stats()["requests"] == 0
 

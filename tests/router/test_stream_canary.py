@@ -175,3 +175,47 @@ def test_hot_reload_swaps_keys_and_limits_without_dropping_streams(fakes, start_
     with client(rs, LOCAL_ONLY_KEY) as c:
         assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
         assert c.post("/v1/chat/completions", json=chat_body()).status_code == 429
+
+
+def test_auto_rollback_window_ignores_spilled_requests_and_judges_both_kinds(fakes, tmp_path, start_router):
+    """Issue 12 item 4: requests of the candidate's share that the cloud served say nothing about the candidate;
+    the ones it served itself count alike, streaming or not (non-stream TTFT from the engine's header)."""
+    cloud, engine = fakes
+    canary = FakeCloud(tmp_path).start()
+    try:
+        table = RoutingTable(
+            [
+                RevisionRoute(1, "stable", 0.0, [EngineEndpoint(engine.base, "r1")]),
+                RevisionRoute(2, "candidate", 100.0, [EngineEndpoint(canary.base, "r1")]),
+            ]
+        )
+        rs = start_router(
+            make_spec(cloud_url(cloud), routing={"overflow": {"max_queue_depth": 1}}), [], table=table
+        )
+        full = {"waiting": 9, "running": 64, "free_blocks": 1000, "total_blocks": 1024, "max_num_seqs": 64}
+        canary.control(load=full, delay_s=0.25)
+        assert wait_until(
+            lambda: rs.router.pool.revision_states(time.monotonic())[1].replicas[0].load.waiting == 9
+        )
+        cloud.control(delay_s=0.3)
+        with client(rs) as c:
+            for stream in (True, False, True, False):
+                r = c.post("/v1/chat/completions", json=chat_body(stream=stream))
+                assert r.status_code == 200 and r.headers["x-llmdeploy-backend"] == "cloud"
+        assert rs.router.revision_window(2).requests == 0
+        canary.control(load={**full, "waiting": 0, "running": 0})
+        assert wait_until(
+            lambda: rs.router.pool.revision_states(time.monotonic())[1].replicas[0].load.waiting == 0
+        )
+        with client(rs) as c:
+            for stream in (False, False, True, True):
+                r = c.post("/v1/chat/completions", json=chat_body(stream=stream))
+                assert r.headers["x-llmdeploy-backend"] == "local"
+                assert r.headers["x-llmdeploy-revision"] == "2"
+                if not stream:  # judged by its TTFT already, before any stream came
+                    ttft = rs.router.revision_window(2).ttft_p99_ms
+                    assert ttft is not None and ttft >= 250
+        w = rs.router.revision_window(2)
+        assert w.requests == 4 and w.errors == 0 and w.ttft_p99_ms is not None and w.ttft_p99_ms >= 250
+    finally:
+        canary.stop()

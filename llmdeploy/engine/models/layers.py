@@ -3,11 +3,14 @@ backend replaces them on CUDA; weights of fused projections are loaded shard by 
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmdeploy.kernels import cpu_native
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +27,10 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    """x = [gate | up] along the last dim -> silu(gate) * up (float32 on CPU: one native pass)."""
+    fused = cpu_native.silu_and_mul(x)
+    if fused is not None:
+        return fused
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
@@ -45,11 +51,42 @@ class MergedLinear(nn.Linear):
         return param.data.narrow(0, start, size)
 
 
-def onednn_linear_available() -> bool:
+@functools.cache
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack and run a linear layer of `dtype` on this CPU. Probed by doing it: the bf16 path
+    needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, which an AVX2-only CPU (e.g. AMD EPYC Zen 3) lacks (issue 11)."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
+    if not torch.backends.mkldnn.is_available() or not all(
         hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
-    )
+    ):
+        return False
+    try:
+        packed = ops._reorder_linear_weight(torch.ones(8, 8, dtype=dtype))
+        ops._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+# Packed oneDNN weights by handle, for compiled code (PackedLinear.handle). Entries live as long as the process:
+# a model is loaded once per engine process.
+PACKED_WEIGHTS: list[torch.Tensor] = []
+
+
+@torch.library.custom_op("llmdeploy::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """PackedLinear as an op torch.compile treats as opaque: the layers' handles are graph inputs (buffers), so
+    the 30 layers still share one compiled graph, and the elementwise work around the GEMMs is fused."""
+    return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[int(handle)], bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(
+    x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class PackedLinear(nn.Module):
@@ -66,8 +103,13 @@ class PackedLinear(nn.Module):
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.bias = bias
+        # torch.compile cannot trace oneDNN's opaque packed tensor: compiled code reaches it through this handle
+        self.register_buffer("handle", torch.tensor(len(PACKED_WEIGHTS)), persistent=False)
+        PACKED_WEIGHTS.append(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.handle, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -81,3 +123,54 @@ def pack_linears(model: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child.weight, child.bias))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight ~ q * scale[:, None], |q| <= 127 (round to nearest)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+# Up to this many rows the native int8 kernel runs the projection (it reads each weight once, widened in
+# registers); beyond, one dequantized float32 copy per call feeds the float32 GEMM, which amortises the copy over
+# the rows (prefill chunks). bench/RESULTS.md has the measurement.
+INT8_KERNEL_MAX_ROWS = 256
+
+
+class Int8Linear(nn.Module):
+    """A loaded linear layer with int8 weights and float32 per-channel scales (model.quantization: int8): a quarter
+    of float32's bytes, so bandwidth-bound decode reads 4x less. Computes in float32; output in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.packed = cpu_native.int8_pack(q)  # the native kernel's layout; None without it
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x if x.dtype == torch.float32 else x.float()
+        rows = xf.numel() // self.in_features
+        out = None
+        if rows <= INT8_KERNEL_MAX_ROWS and self.packed is not None:
+            out = cpu_native.int8_linear(xf, self.packed, self.scale, self.bias)
+        if out is None:
+            out = F.linear(xf, self.weight, self.bias)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:  # dequantized float32, for the large-row path and for inspection
+        return self.qweight.float().mul_(self.scale[:, None])
+
+
+def quantize_linears(model: nn.Module) -> None:
+    """Replaces every nn.Linear of `model` by an Int8Linear (a head tied to the embedding gets its own int8 copy;
+    the embedding stays as it is: it is read one row per token)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear(child.weight, child.bias))

@@ -10,9 +10,15 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from llmdeploy.engine.attention import AttentionMetadata, PagedAttention
-from llmdeploy.engine.models.layers import MergedLinear, RMSNorm, pack_linears, silu_and_mul
+from llmdeploy.engine.models.layers import (
+    MergedLinear,
+    RMSNorm,
+    pack_linears,
+    quantize_linears,
+    silu_and_mul,
+)
 from llmdeploy.engine.rope import build_cos_sin_cache
-from llmdeploy.kernels import get_ops
+from llmdeploy.kernels import cpu_native, get_ops
 
 # checkpoint projection name -> (fused module, shard)
 STACKED = {
@@ -34,12 +40,40 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-@torch.compiler.disable
 def paged_attention(
     attn: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
     """Opaque to torch.compile: the metadata carries per-step ints and lists that would force recompiles."""
     return attn(q, k, v, meta)
+
+
+def attend(attn: PagedAttention, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention over the cache with this step's K/V already stored (see rope_and_store)."""
+    return attn.attend(q, meta)
+
+
+def rope_and_store(
+    attn: PagedAttention, qkv: torch.Tensor, h: int, hkv: int, rope: Rope, meta: AttentionMetadata
+) -> bool:
+    """The native fused rotary + K/V store on the fused qkv rows (kernels/cpu_native.py); False where it does not
+    apply (another backend, dtype or device; no C compiler; inside torch.compile): the torch ops run instead."""
+    if isinstance(rope, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    cos, sin = rope
+    return cpu_native.rope_and_store(qkv, h, hkv, cos, sin, meta.slot_mapping, attn.k_cache, attn.v_cache)
+
+
+_OPAQUE_TO_COMPILE = ("paged_attention", "attend", "rope_and_store")
+
+
+def opaque_to_compile() -> None:
+    """torch.compiler.disable on the functions above, applied when a model compiles its layers, not at import:
+    it imports torch._dynamo, about 3 s at every engine start, and compile is off by default. The layers call the
+    functions through this module's globals, so replacing them here is enough."""
+    g = globals()
+    for name in _OPAQUE_TO_COMPILE:
+        if not getattr(g[name], "_torchdynamo_disable", False):
+            g[name] = torch.compiler.disable(g[name])
 
 
 class LlamaAttention(nn.Module):
@@ -64,6 +98,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         h, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
+        if self.q_norm is None and rope_and_store(self.attn, qkv, h, hkv, rope, meta):
+            # float32 on CPU: q and k rotated in place and k, v stored by one native call; attention only reads
+            return self.o_proj(attend(self.attn, qkv[:, :h], meta).view(-1, self.q_size))
         q, k, v = qkv.split([h, hkv, hkv], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -155,6 +192,10 @@ class LlamaForCausalLM(nn.Module):
         """After loading, on CPU: every projection (a tied head too, as its own copy) in oneDNN's packed layout."""
         pack_linears(self)
 
+    def quantize_int8(self) -> None:
+        """After loading (model.quantization: int8): every projection, the head too, as per-channel int8."""
+        quantize_linears(self)
+
     def finish_loading(self, device: torch.device) -> None:
         """After the weights are in place; re-ties because materialising a meta module unties shared weights."""
         if self.tie_word_embeddings:
@@ -166,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
     def compile_layers(self) -> None:
         """Regional torch.compile: the decoder layers share one compiled graph (parameters are graph inputs), so
         the compile cost is that of one layer; attention stays eager (see paged_attention)."""
+        opaque_to_compile()
         for layer in self.model.layers:
             layer.compile(dynamic=True)
 

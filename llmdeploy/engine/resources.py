@@ -1,0 +1,109 @@
+"""The engine process's own resource watermarks: RSS now and at peak; on CUDA the allocator's memory and, where
+nvidia-ml-py is installed, GPU utilisation. Read at most once a second (the router polls /load every 0.2 s)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import threading
+import time
+
+from llmdeploy.policies.resources import ResourceUsage
+
+CACHE_S = 1.0
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process, in bytes."""
+    now, peak = _proc_status_kib("VmRSS"), _proc_status_kib("VmHWM")
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peak_b = peak * 1024 if peak is not None else maxrss
+    if now is None:
+        try:
+            import psutil  # installed with accelerate; only needed off Linux
+
+            return int(psutil.Process().memory_info().rss), peak_b
+        except Exception:  # no way to read it: report the peak as the current value
+            return peak_b, peak_b
+    return now * 1024, max(peak_b, now * 1024)
+
+
+def host_memory_total() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _cuda(device) -> dict:
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    out = {
+        "device_memory_bytes": int(torch.cuda.memory_reserved(idx)),
+        "device_peak_memory_bytes": int(torch.cuda.max_memory_reserved(idx)),
+        "device_memory_total_bytes": int(torch.cuda.get_device_properties(idx).total_memory),
+    }
+    # torch asks NVML (nvidia-ml-py), mapping CUDA_VISIBLE_DEVICES itself; without it: not reported
+    with contextlib.suppress(Exception):
+        out["gpu_utilization"] = float(torch.cuda.utilization(idx)) / 100.0
+    return out
+
+
+class ResourceMeter:
+    """measure() -> ResourceUsage, cached for CACHE_S; `device` is the engine's torch.device (None: CPU)."""
+
+    def __init__(self, device=None) -> None:
+        self.device = device
+        self._lock = threading.Lock()
+        self._last: tuple[float, ResourceUsage] | None = None
+
+    def measure(self) -> ResourceUsage:
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last[0] < CACHE_S:
+                return self._last[1]
+            usage = self._read()
+            self._last = (now, usage)
+            return usage
+
+    def _read(self) -> ResourceUsage:
+        rss, peak = rss_bytes()
+        cuda = getattr(self.device, "type", "cpu") == "cuda"
+        extra: dict = {}
+        if cuda:
+            try:
+                extra = _cuda(self.device)
+            except Exception:  # a driver hiccup must not break /load
+                extra = {}
+        return ResourceUsage(
+            rss_bytes=rss,
+            peak_rss_bytes=peak,
+            host_memory_total_bytes=host_memory_total(),
+            device="cuda" if cuda else "cpu",
+            **extra,
+        )
+
+
+_PROCESS = ResourceMeter()  # resources belong to the process: one meter, whichever part asks
+
+
+def process_usage(device=None) -> ResourceUsage:
+    """This process's usage; the engine passes its device once (load()), /metrics then reads the same meter."""
+    if device is not None and _PROCESS.device != device:
+        _PROCESS.device, _PROCESS._last = device, None
+    return _PROCESS.measure()

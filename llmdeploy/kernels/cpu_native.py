@@ -1,0 +1,320 @@
+"""Compiled CPU kernels (kernels/csrc/cpu_kernels.c) behind plain Python functions, with None as the answer
+wherever they do not apply, so callers keep their torch path.
+
+Built at first use with the system C compiler (`gcc -O3 -march=native -fopenmp`, about a second, no torch
+headers) into $LLMDEPLOY_CACHE_DIR/kernels/, keyed by the source, the flags, the compiler and the CPU, and loaded
+with ctypes. The library's OpenMP is the libgomp torch has already loaded (same soname), so its loops use torch's
+threads. No compiler, a failed build, or LLMDEPLOY_NATIVE_KERNELS=0: every function returns None (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+# -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
+ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
+BUILD_TIMEOUT_S = 120
+c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+SIGNATURES = {
+    "llmd_has_avx2": [],
+    "llmd_paged_decode_attention": [
+        c_ptr, c_int64, c_ptr, c_ptr, c_int, c_ptr, c_int64, c_ptr, c_ptr,
+        c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int,
+    ],
+    "llmd_int8_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
+    "llmd_int8_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_add_rms_norm": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
+    "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
+    "llmd_rope_store": [
+        c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int,
+    ],
+}  # fmt: skip
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    from llmdeploy.engine.weights_cache import cache_root  # the engine's cache root, one definition
+
+    return cache_root() / "kernels"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build_key(cc: str, flags: tuple[str, ...]) -> str:
+    """Source, flags, compiler version and CPU (-march=native code is only valid on CPUs like this one)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        cpu = "\n".join(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith(("model name", "flags", "Features"))
+        )
+    except OSError:
+        cpu = platform.processor()
+    ident = "\0".join([SOURCE.read_text(), " ".join(flags), version, cpu])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def build(flags: tuple[str, ...] = FLAGS, out_dir: Path | None = None) -> Path:
+    """The compiled library, built once per key; written to a temporary name and renamed into place, so a
+    concurrent start sees no file or a complete one."""
+    cc = compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler (gcc or cc) on PATH")
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"cpu_kernels-{build_key(cc, flags)}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{target.stem}.{uuid.uuid4().hex}.so"
+    proc = subprocess.run(
+        [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"],
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise NativeBuildError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, c_int
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        lib = load(build())
+    except (OSError, subprocess.SubprocessError, NativeBuildError) as exc:
+        log.warning("native CPU kernels unavailable, using the torch ops instead: %s", exc)
+        return None
+    log.info("native CPU kernels loaded (%s)", "AVX2" if lib.llmd_has_avx2() else "portable C")
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """paged_attention_decode with K/V read in place from the cache; None where the kernel does not apply."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if (
+        query.device.type != "cpu"
+        or k_cache.dtype not in (torch.float32, torch.bfloat16)
+        or v_cache.dtype != k_cache.dtype
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or head_dim % 8
+        or num_heads % num_kv_heads
+        or num_seqs == 0
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q = query if query.dtype == torch.float32 else query.float()
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    if tables.stride(1) != 1:
+        tables = tables.contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty(num_seqs, num_heads, head_dim)
+    rc = lib.llmd_paged_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        scale,
+        _threads(),
+    )
+    if rc != 0:
+        return None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def int8_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """int8 [N, K] -> the kernel's layout (tiles of 8 channels, 64 contiguous bytes per 8 inputs; N padded to a
+    multiple of 8), or None where the kernel does not apply."""
+    lib = library()
+    n, k = weight.shape
+    if lib is None or weight.dtype != torch.int8 or k % 8:
+        return None
+    w = weight.contiguous()
+    packed = torch.empty(-(-n // 8) * 8 * k, dtype=torch.int8)
+    return packed if lib.llmd_int8_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
+
+
+def int8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x[..., K] float32 @ (weight[N, K] int8 * scale[N])^T + bias -> [..., N] float32, the weight as int8_pack
+    made it (N = len(scale)); None if the kernel does not apply."""
+    lib = library()
+    n = scale.shape[0]
+    k = x.shape[-1]
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or k % 8:
+        return None
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n)
+    if rows.shape[0]:
+        rc = lib.llmd_int8_linear(
+            rows.data_ptr(),
+            rows.stride(0),
+            packed.data_ptr(),
+            scale.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            rows.shape[0],
+            n,
+            k,
+            _threads(),
+        )
+        if rc != 0:
+            return None
+    return out.view(*x.shape[:-1], n)
+
+
+def _fp32_rows(*tensors: torch.Tensor | None) -> bool:
+    """All float32 CPU tensors, rows contiguous (what the small fused kernels take), outside torch.compile."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(
+        t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+        for t in tensors
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + residual) normalised times weight, and x + residual, in one pass; None if not applicable."""
+    dim = x.shape[-1]
+    if dim % 8 or not _fp32_rows(x, weight, residual) or (residual is not None and residual.shape != x.shape):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else x
+    rc = lib.llmd_add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        summed.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        _threads(),
+    )
+    return (out, summed) if rc == 0 else None
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
+    inter = x.shape[-1] // 2
+    if inter % 8 or not _fp32_rows(x):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(*x.shape[:-1], inter)
+    rc = lib.llmd_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _threads())
+    return out if rc == 0 else None
+
+
+def rope_and_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
+    """Rotates q and k in place in the fused qkv rows [N, H + 2 Hkv, D] by this step's cos/sin ([N, 1, D],
+    reference.rotary_tables) and stores k, v into the caches at slot_mapping (-1: skipped). False (nothing done)
+    where it does not apply; the caller then runs the torch ops."""
+    n = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    if (
+        head_dim % 16
+        or qkv.shape[1:] != (num_heads + 2 * num_kv_heads, head_dim)
+        or cos.shape != (n, 1, head_dim)
+        or not _fp32_rows(qkv, cos, sin, k_cache, v_cache)
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+    ):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    rc = lib.llmd_rope_store(
+        qkv.data_ptr(),
+        n,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slot_mapping.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        _threads(),
+    )
+    return rc == 0

@@ -1,0 +1,562 @@
+/* CPU kernels for llmdeploy, built at first use by kernels/cpu_native.py (gcc -O3 -march=native -fopenmp) and
+ * called through ctypes. No torch headers: the build takes about a second. OpenMP comes from the libgomp torch
+ * already loaded (same soname), so these loops share torch's thread pool instead of starting a second one.
+ *
+ * paged_decode_attention: one query token per sequence against its K/V read in place from the paged cache (no
+ * gather): per (sequence, kv head, context split) scores -> softmax -> P.V, the kv head's query heads (GQA) sharing
+ * every K/V row. Splits of one long context are merged flash-decoding style (max, sum, rescaled partial outputs).
+ *
+ * int8_linear: y = x @ (w_int8 * scale[:, None])^T + bias, per-output-channel scales; the weight is read once per
+ * call and widened in registers (bandwidth-bound decode reads 1 byte per weight instead of 4).
+ *
+ * Lanes are 8 floats: AVX2+FMA intrinsics where the compiler targets them, plain loops otherwise (same results up
+ * to summation order).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMD_AVX2 1
+typedef __m256 v8;
+static inline v8 v8_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline v8 v8_load_bf16(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline v8 v8_load_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline void v8_store(float *p, v8 x) { _mm256_storeu_ps(p, x); }
+static inline v8 v8_set1(float x) { return _mm256_set1_ps(x); }
+static inline v8 v8_zero(void) { return _mm256_setzero_ps(); }
+static inline v8 v8_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline v8 v8_mul(v8 a, v8 b) { return _mm256_mul_ps(a, b); }
+static inline v8 v8_add(v8 a, v8 b) { return _mm256_add_ps(a, b); }
+static inline v8 v8_max(v8 a, v8 b) { return _mm256_max_ps(a, b); }
+static inline float v8_hsum(v8 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float v8_hmax(v8 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* lane i = the sum of a[i]'s lanes */
+static inline v8 v8_hsum8(const v8 *a) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+/* Cephes-style expf: range reduction by ln 2 and a degree-6 polynomial, ~1-2 ulp over the softmax range */
+static inline v8 v8_exp(v8 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, v8_set1(-87.3f)), v8_set1(88.3f));
+    v8 fx = _mm256_round_ps(v8_fma(x, v8_set1(1.44269504088896341f), v8_set1(0.5f)),
+                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = v8_fma(fx, v8_set1(-0.693359375f), x);
+    x = v8_fma(fx, v8_set1(2.12194440e-4f), x);
+    v8 y = v8_set1(1.9875691500e-4f);
+    y = v8_fma(y, x, v8_set1(1.3981999507e-3f));
+    y = v8_fma(y, x, v8_set1(8.3334519073e-3f));
+    y = v8_fma(y, x, v8_set1(4.1665795894e-2f));
+    y = v8_fma(y, x, v8_set1(1.6666665459e-1f));
+    y = v8_fma(y, x, v8_set1(5.0000001201e-1f));
+    y = v8_fma(y, v8_mul(x, x), v8_add(x, v8_set1(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return v8_mul(y, _mm256_castsi256_ps(e));
+}
+#else
+#define LLMD_AVX2 0
+typedef struct {
+    float x[8];
+} v8;
+static inline v8 v8_load(const float *p) {
+    v8 r;
+    memcpy(r.x, p, sizeof r.x);
+    return r;
+}
+static inline v8 v8_load_bf16(const uint16_t *p) {
+    v8 r;
+    for (int i = 0; i < 8; i++) {
+        uint32_t u = (uint32_t)p[i] << 16;
+        memcpy(&r.x[i], &u, 4);
+    }
+    return r;
+}
+static inline v8 v8_load_i8(const int8_t *p) {
+    v8 r;
+    for (int i = 0; i < 8; i++) r.x[i] = (float)p[i];
+    return r;
+}
+static inline void v8_store(float *p, v8 x) { memcpy(p, x.x, sizeof x.x); }
+static inline v8 v8_set1(float v) {
+    v8 r;
+    for (int i = 0; i < 8; i++) r.x[i] = v;
+    return r;
+}
+static inline v8 v8_zero(void) { return v8_set1(0.0f); }
+static inline v8 v8_fma(v8 a, v8 b, v8 c) {
+    for (int i = 0; i < 8; i++) c.x[i] += a.x[i] * b.x[i];
+    return c;
+}
+static inline v8 v8_mul(v8 a, v8 b) {
+    for (int i = 0; i < 8; i++) a.x[i] *= b.x[i];
+    return a;
+}
+static inline v8 v8_add(v8 a, v8 b) {
+    for (int i = 0; i < 8; i++) a.x[i] += b.x[i];
+    return a;
+}
+static inline v8 v8_max(v8 a, v8 b) {
+    for (int i = 0; i < 8; i++) a.x[i] = a.x[i] > b.x[i] ? a.x[i] : b.x[i];
+    return a;
+}
+static inline float v8_hsum(v8 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += x.x[i];
+    return s;
+}
+static inline float v8_hmax(v8 x) {
+    float m = x.x[0];
+    for (int i = 1; i < 8; i++) m = x.x[i] > m ? x.x[i] : m;
+    return m;
+}
+static inline v8 v8_hsum8(const v8 *a) {
+    v8 r;
+    for (int i = 0; i < 8; i++) r.x[i] = v8_hsum(a[i]);
+    return r;
+}
+static inline v8 v8_exp(v8 x) {
+    for (int i = 0; i < 8; i++) x.x[i] = expf(x.x[i]);
+    return x;
+}
+#endif
+
+int llmd_has_avx2(void) { return LLMD_AVX2; }
+
+#define MAX_GROUP 8 /* query heads per kv head in one P.V walk (pv_dispatch splits wider groups) */
+#define MAX_HEADS 256
+#define MAX_HEAD_DIM 512
+
+/* ---------------------------------------------------------------- decode attention */
+
+typedef struct {
+    const float *q; /* [B, H, D] rows of q_row_stride floats between sequences */
+    int64_t q_row_stride;
+    const void *k_cache, *v_cache; /* [num_blocks, block_size, Hkv, D], float32 or bfloat16 */
+    int cache_bf16;
+    const int32_t *block_tables; /* [B, bt_stride] */
+    int64_t bt_stride;
+    const int32_t *context_lens;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} DecodeArgs;
+
+/* [p, p + bytes), every other cache line: the hardware fetches lines in pairs */
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(p + off, 0, 3);
+}
+
+/* K/V of one token, all kv heads: Hkv * D elements, contiguous in the cache */
+static inline const char *token_row(const DecodeArgs *a, const void *cache, int64_t slot) {
+    const int64_t esize = a->cache_bf16 ? 2 : 4;
+    return (const char *)cache + slot * a->num_kv_heads * a->head_dim * esize;
+}
+
+static inline v8 load_elems(const DecodeArgs *a, const char *row, int64_t i) {
+    return a->cache_bf16 ? v8_load_bf16((const uint16_t *)row + i) : v8_load((const float *)row + i);
+}
+
+/* acc[g * D + d] = sum_i p[g * ps + i] * v[slots[i]][h][d] for kv head h. Walks the tokens once per NV * 8 head
+ * dims with the G * NV accumulators in registers. G, NV and BF16 are constants where it is inlined (pv_dispatch):
+ * no branch is left in the token loop. */
+static inline __attribute__((always_inline)) void pv_group(const DecodeArgs *a, int64_t n, int64_t ps,
+                                                          const int64_t *slots,
+                                                          int64_t h, const float *p, const int G, const int NV,
+                                                          const int BF16, float *acc) {
+    const int64_t D = a->head_dim, W = 8 * NV, row = a->num_kv_heads * D;
+    for (int64_t d = 0; d < D; d += W) {
+        v8 o[8][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < NV; j++) o[g][j] = v8_zero();
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = slots[i] * row + h * D + d;
+            v8 pg[8];
+            for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps + i]);
+            for (int j = 0; j < NV; j++) {
+                const v8 v = BF16 ? v8_load_bf16((const uint16_t *)a->v_cache + at + 8 * j)
+                                  : v8_load((const float *)a->v_cache + at + 8 * j);
+                for (int g = 0; g < G; g++) o[g][j] = v8_fma(pg[g], v, o[g][j]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < NV; j++) v8_store(acc + g * D + d + 8 * j, o[g][j]);
+    }
+}
+
+#define PV_CASE(G, NV)                                                                                         \
+    case G * 16 + NV * 2:                                                                                      \
+        pv_group(a, n, ps, slots, h, p, G, NV, 0, acc);                                                            \
+        return;                                                                                                \
+    case G * 16 + NV * 2 + 1:                                                                                  \
+        pv_group(a, n, ps, slots, h, p, G, NV, 1, acc);                                                            \
+        return;
+#define PV_CASES(G) PV_CASE(G, 1) PV_CASE(G, 2) PV_CASE(G, 4)
+
+/* up to 8 query heads per walk; NV: the widest chunk (4, 2 or 1 vectors) that divides D and fits the 16 vector
+ * registers with its G * NV accumulators, G broadcast probabilities and one V vector */
+static void pv_dispatch(const DecodeArgs *a, int64_t n, int64_t ps, const int64_t *slots, int64_t h,
+                        const float *p, int64_t G, float *acc) {
+    if (G > 8) {
+        for (int64_t g0 = 0; g0 < G; g0 += 8)
+            pv_dispatch(a, n, ps, slots, h, p + g0 * ps, G - g0 < 8 ? G - g0 : 8, acc + g0 * a->head_dim);
+        return;
+    }
+    int NV = 4;
+    while (NV > 1 && (G * NV + G + 1 > 16 || a->head_dim % (8 * NV))) NV /= 2;
+    switch (G * 16 + NV * 2 + (a->cache_bf16 ? 1 : 0)) {
+        PV_CASES(1)
+        PV_CASES(2)
+        PV_CASES(3)
+        PV_CASES(4)
+        PV_CASES(5)
+        PV_CASES(6)
+        PV_CASES(7)
+        PV_CASES(8)
+    }
+}
+
+/* cache slots (block * block_size + offset) of tokens [t0, t1) of sequence b */
+static void token_slots(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, int64_t *slots) {
+    const int32_t *table = a->block_tables + b * a->bt_stride;
+    const int64_t bs = a->block_size;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t block = table[t / bs], end = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
+        for (; t < end; t++) *slots++ = block * bs + t % bs;
+    }
+}
+
+/* Tokens [t0, t1) of sequence b, all heads: unnormalised softmax stats and P.V.
+ * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
+ * One item covers every kv head, so K/V are read token row by token row (Hkv * D contiguous elements, whole
+ * blocks in order: what the hardware prefetcher streams best). Scratch: H * n scores, then n slots. */
+static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
+                        float *m, float *l, float *acc) {
+    const int64_t D = a->head_dim, H = a->num_heads, G = H / a->num_kv_heads, n = t1 - t0;
+    const int64_t row_bytes = a->num_kv_heads * D * (a->cache_bf16 ? 2 : 4);
+    float q[H * D];
+    const float *qsrc = a->q + b * a->q_row_stride;
+    for (int64_t i = 0; i < H * D; i++) q[i] = qsrc[i] * a->scale;
+    token_slots(a, b, t0, t1, slots);
+    const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
+    v8 mv[MAX_HEADS];
+    for (int64_t hq = 0; hq < H; hq++) mv[hq] = v8_set1(-FLT_MAX);
+    /* scores: 8 tokens at a time, one accumulator per token, reduced together. The lanes past the end of the
+     * last group repeat its first token: harmless for the max, and masked out of the sums below. */
+    for (int64_t i = 0; i < n; i += 8) {
+        const int64_t cnt = n - i < 8 ? n - i : 8;
+        const char *rows[8];
+        for (int64_t j = 0; j < 8; j++) rows[j] = token_row(a, a->k_cache, slots[i + (j < cnt ? j : 0)]);
+        /* the next group's K and V rows (V for the P.V pass below, which then finds them in L2) */
+        for (int64_t j = i + 8; j < i + 16 && j < n; j++) {
+            prefetch(token_row(a, a->k_cache, slots[j]), row_bytes);
+            prefetch(token_row(a, a->v_cache, slots[j]), row_bytes);
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            const int64_t off = (hq / G) * D;
+            v8 s[8];
+            for (int j = 0; j < 8; j++) s[j] = v8_zero();
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8 qv = v8_load(q + hq * D + d);
+                for (int j = 0; j < 8; j++) s[j] = v8_fma(qv, load_elems(a, rows[j], off + d), s[j]);
+            }
+            const v8 sc = v8_hsum8(s);
+            v8_store(scores + hq * n8 + i, sc);
+            mv[hq] = v8_max(mv[hq], sc);
+        }
+    }
+    for (int64_t hq = 0; hq < H; hq++) {
+        float *s = scores + hq * n8;
+        m[hq] = v8_hmax(mv[hq]);
+        const v8 neg_m = v8_set1(-m[hq]);
+        v8 sum = v8_zero();
+        for (int64_t i = 0; i < n8; i += 8) {
+            v8 p = v8_exp(v8_add(v8_load(s + i), neg_m));
+            if (i + 8 > n) { /* the last group's repeated lanes: no probability */
+                float tmp[8];
+                v8_store(tmp, p);
+                for (int64_t j = n - i; j < 8; j++) tmp[j] = 0.0f;
+                p = v8_load(tmp);
+            }
+            v8_store(s + i, p);
+            sum = v8_add(sum, p);
+        }
+        l[hq] = v8_hsum(sum);
+    }
+    for (int64_t h = 0; h < a->num_kv_heads; h++)
+        pv_dispatch(a, n, n8, slots, h, scores + h * G * n8, G, acc + h * G * D);
+}
+
+/* splits per sequence: only when sequences alone would leave threads idle, >= 128 tokens each */
+static int64_t choose_splits(int64_t items, int64_t max_len, int nthreads) {
+    if (items >= 2 * nthreads) return 1;
+    int64_t want = (4 * nthreads + items - 1) / items;
+    int64_t by_len = max_len / 128;
+    int64_t s = want < by_len ? want : by_len;
+    return s < 1 ? 1 : s;
+}
+
+/* out: [B, H, D] float32, contiguous. Returns 0, or -1 on unsupported shapes (the caller falls back). */
+int llmd_paged_decode_attention(const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+                                int cache_bf16, const int32_t *block_tables, int64_t bt_stride,
+                                const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t Hkv,
+                                int64_t D, int64_t block_size, float scale, int nthreads) {
+    if (H % Hkv || H > MAX_HEADS || D % 8 || D > MAX_HEAD_DIM || nthreads < 1) return -1;
+    DecodeArgs a = {q, q_row_stride, k_cache, v_cache, cache_bf16, block_tables, bt_stride, context_lens,
+                    H,  Hkv,          D,       block_size, scale};
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
+    const int64_t S = choose_splits(B, max_len, nthreads);
+    if (B * S < nthreads) nthreads = (int)(B * S); /* a thread without an item would only wait at the barrier */
+    /* per (b, split): m[H], l[H], acc[H * D] */
+    const int64_t part_size = H * (D + 2);
+    float *part = S > 1 ? (float *)malloc(sizeof(float) * B * S * part_size) : NULL;
+    if (S > 1 && !part) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t most = (max_len + S - 1) / S + 16;
+        float *scores = (float *)malloc((sizeof(float) * H + sizeof(int64_t)) * most);
+        int64_t *slots = (int64_t *)(scores + H * most);
+        float ml[2 * MAX_HEADS];
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t s = 0; s < S; s++) {
+                if (!scores) continue;
+                const int64_t len = context_lens[b], chunk = (len + S - 1) / S;
+                const int64_t t0 = s * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+                if (S == 1) {
+                    float *o = out + b * H * D;
+                    decode_part(&a, b, 0, len, scores, slots, ml, ml + H, o);
+                    for (int64_t hq = 0; hq < H; hq++) {
+                        const float inv = 1.0f / ml[H + hq];
+                        for (int64_t d = 0; d < D; d++) o[hq * D + d] *= inv;
+                    }
+                } else {
+                    float *p = part + (b * S + s) * part_size;
+                    if (t1 > t0) {
+                        decode_part(&a, b, t0, t1, scores, slots, p, p + H, p + 2 * H);
+                    } else { /* an empty split (a short sequence next to long ones): contributes nothing */
+                        for (int64_t hq = 0; hq < H; hq++) p[hq] = -FLT_MAX, p[H + hq] = 0.0f;
+                        memset(p + 2 * H, 0, sizeof(float) * H * D);
+                    }
+                }
+            }
+        free(scores);
+    }
+    if (!failed && S > 1) {
+#pragma omp parallel for collapse(2) num_threads(nthreads)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t hq = 0; hq < H; hq++) {
+                const float *p0 = part + b * S * part_size;
+                float mx = -FLT_MAX, total = 0.0f;
+                for (int64_t s = 0; s < S; s++) mx = fmaxf(mx, p0[s * part_size + hq]);
+                float *o = out + (b * H + hq) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                for (int64_t s = 0; s < S; s++) {
+                    const float *p = p0 + s * part_size;
+                    const float w = p[H + hq] > 0.0f ? expf(p[hq] - mx) : 0.0f;
+                    total += w * p[H + hq];
+                    for (int64_t d = 0; d < D; d++) o[d] += w * p[2 * H + hq * D + d];
+                }
+                for (int64_t d = 0; d < D; d++) o[d] /= total;
+            }
+    }
+    free(part);
+    return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- int8 weight-only linear */
+
+/* Weights are packed at load time (llmd_int8_pack) in tiles of 8 output channels: tile t, k-step s (8 inputs)
+ * is 64 contiguous bytes, channel c's 8 weights at c * 8. A tile is then one sequential stream (one hardware
+ * prefetch stream instead of 8 rows), and one 64-byte line feeds 8 channels. N is padded to a multiple of 8. */
+int llmd_int8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
+    if (K % 8) return -1;
+    const int64_t tiles = (N + 7) / 8;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t s = 0; s < K / 8; s++)
+            for (int64_t c = 0; c < 8; c++) {
+                int8_t *dst = packed + ((t * (K / 8) + s) * 8 + c) * 8;
+                const int64_t n = t * 8 + c;
+                if (n < N) memcpy(dst, w + n * K + s * 8, 8);
+                else memset(dst, 0, 8);
+            }
+    return 0;
+}
+
+/* MT rows of x against channels [c0, c0 + NT) of one packed tile (c0 + NT <= 8); out[i][c] = dot products.
+ * MT, NT are constants where it is inlined: MT * NT accumulators stay in registers. */
+static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t xs, const int8_t *tile,
+                                                           int64_t K, int c0, const int MT, const int NT,
+                                                           v8 acc[4][8]) {
+    for (int i = 0; i < MT; i++)
+        for (int c = 0; c < NT; c++) acc[i][c] = v8_zero();
+    for (int64_t s = 0; s < K / 8; s++) {
+        const int8_t *chunk = tile + s * 64 + c0 * 8;
+        if (s + 8 < K / 8) __builtin_prefetch(tile + (s + 8) * 64, 0, 3);
+        v8 xv[4];
+        for (int i = 0; i < MT; i++) xv[i] = v8_load(x + i * xs + s * 8);
+        for (int c = 0; c < NT; c++) {
+            const v8 wv = v8_load_i8(chunk + c * 8);
+            for (int i = 0; i < MT; i++) acc[i][c] = v8_fma(xv[i], wv, acc[i][c]);
+        }
+    }
+}
+
+/* rows [0, mt) of x (mt <= 4) against one packed tile: y[i * N + t * 8 + c] for the tile's real channels */
+static void int8_rows(const float *x, int64_t xs, const int8_t *tile, const float *scale, const float *bias,
+                      float *y, int64_t N, int64_t K, int64_t t, int64_t mt) {
+    v8 acc[4][8];
+    float sums[4][8];
+    switch (mt) { /* 8 channels in 1, 2 or 4 passes: at most 12 accumulators; later passes read the tile from L1 */
+    case 1: int8_tile(x, xs, tile, K, 0, 1, 8, acc); v8_store(sums[0], v8_hsum8(acc[0])); break;
+    case 2:
+        for (int c0 = 0; c0 < 8; c0 += 4) {
+            int8_tile(x, xs, tile, K, c0, 2, 4, acc);
+            for (int i = 0; i < 2; i++)
+                for (int c = 0; c < 4; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
+        }
+        break;
+    case 3:
+        for (int c0 = 0; c0 < 8; c0 += 4) {
+            int8_tile(x, xs, tile, K, c0, 3, 4, acc);
+            for (int i = 0; i < 3; i++)
+                for (int c = 0; c < 4; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
+        }
+        break;
+    default:
+        for (int c0 = 0; c0 < 8; c0 += 2) {
+            int8_tile(x, xs, tile, K, c0, 4, 2, acc);
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < 2; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
+        }
+    }
+    const int64_t n0 = t * 8, real = N - n0 < 8 ? N - n0 : 8;
+    for (int64_t i = 0; i < mt; i++)
+        for (int64_t c = 0; c < real; c++)
+            y[i * N + n0 + c] = sums[i][c] * scale[n0 + c] + (bias ? bias[n0 + c] : 0.0f);
+}
+
+/* y[M, N] (contiguous) = x[M, K] @ (w[N, K] * scale[N])^T (+ bias[N]); w packed by llmd_int8_pack, x float32 with
+ * row stride x_stride, K % 8 == 0. Threads split the channel tiles; a tile meets every row of x (4 at a time)
+ * while it is in L1, so the weights are read from memory once per call. */
+int llmd_int8_linear(const float *x, int64_t x_stride, const int8_t *packed, const float *scale,
+                     const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % 8 || nthreads < 1 || M < 1) return -1;
+    const int64_t tiles = (N + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *tile = packed + t * 8 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4)
+            int8_rows(x + m0 * x_stride, x_stride, tile, scale, bias, y + m0 * N, N, K, t, M - m0 < 4 ? M - m0 : 4);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- small fused ops (float32) */
+
+/* Few rows are not worth waking a second thread for: its start costs more than the work. */
+#define ROWS_PER_THREAD 16
+static inline int threads_for(int64_t rows, int nthreads) {
+    int64_t t = rows / ROWS_PER_THREAD;
+    return t < 1 ? 1 : (t < nthreads ? (int)t : nthreads);
+}
+
+/* res_out = x + residual (residual may be NULL: res_out = x); out = res_out / sqrt(mean(res_out^2) + eps) * w.
+ * Rows of dim floats, all contiguous; out/res_out may alias x/residual. */
+int llmd_add_rms_norm(const float *x, const float *residual, const float *w, float *out, float *res_out,
+                      int64_t rows, int64_t dim, float eps, int nthreads) {
+    if (dim % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        float *orow = out + r * dim, *sr = res_out + r * dim;
+        v8 ss = v8_zero();
+        for (int64_t d = 0; d < dim; d += 8) {
+            v8 v = v8_load(xr + d);
+            if (rr) v = v8_add(v, v8_load(rr + d));
+            v8_store(sr + d, v);
+            ss = v8_fma(v, v, ss);
+        }
+        const float inv = 1.0f / sqrtf(v8_hsum(ss) / (float)dim + eps);
+        const v8 iv = v8_set1(inv);
+        for (int64_t d = 0; d < dim; d += 8) v8_store(orow + d, v8_mul(v8_mul(v8_load(sr + d), iv), v8_load(w + d)));
+    }
+    return 0;
+}
+
+/* x: rows of [gate | up] (2 * inter floats) -> out rows of inter floats: gate / (1 + exp(-gate)) * up */
+int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int nthreads) {
+    if (inter % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t d = 0; d < inter; d += 8) {
+            const v8 gv = v8_load(g + d);
+            const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
+            float tmp[8], gs[8], es[8];
+            v8_store(gs, gv);
+            v8_store(es, e);
+            for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
+            v8_store(o + d, v8_mul(v8_load(tmp), v8_load(u + d)));
+        }
+    }
+    return 0;
+}
+
+/* One step's q/k rotation and K/V store. qkv: [N, (H + 2 * Hkv) * D] float32, rows of q heads, k heads, v heads;
+ * cos, sin: [N, D] (full-width cos, sign-folded sin: x * cos + swap_halves(x) * sin). q and k heads are rotated in
+ * place; then k and v rows go to the caches ([num_blocks * block_size, Hkv, D] float32) at slot_mapping[n]
+ * (-1: not stored). */
+int llmd_rope_store(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                    const int64_t *slot_mapping, float *k_cache, float *v_cache, int nthreads) {
+    if (D % 16) return -1;
+    const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(threads_for(N, nthreads))
+    for (int64_t n = 0; n < N; n++) {
+        float *r = qkv + n * row;
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            float *x = r + h * D;
+            for (int64_t d = 0; d < half; d += 8) {
+                const v8 lo = v8_load(x + d), hi = v8_load(x + half + d);
+                /* two products then a sum, as torch computes it (no fused multiply-add: same rounding) */
+                const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));
+                const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d)));
+                v8_store(x + d, new_lo);
+                v8_store(x + half + d, new_hi);
+            }
+        }
+        const int64_t slot = slot_mapping[n];
+        if (slot >= 0) {
+            memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(float) * Hkv * D);
+            memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(float) * Hkv * D);
+        }
+    }
+    return 0;
+}

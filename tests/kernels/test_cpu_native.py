@@ -1,0 +1,206 @@
+"""The compiled CPU kernels (kernels/cpu_native.py) against the torch definitions: decode attention reading K/V in
+place from the paged cache (ragged and long contexts split across threads, GQA groups past one register walk,
+head dims, block sizes, bf16 caches, strided queries), the int8 weight-only linear, the portable (non-AVX2) build,
+and the fallback when nothing builds."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import reference as ops
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Two threads: long single sequences are then split across them (the flash-decoding merge)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def paged(
+    lens: list[int], hkv: int, head_dim: int, block_size: int, dtype=torch.float32, share: int = 0, seed=0
+):
+    """Random K/V of several sequences in scattered blocks (never block 0); `share` leading blocks of sequence 1
+    are sequence 0's (a prefix-cache hit)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + 3
+    k = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    free = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()
+    tables = [[free.pop() for _ in range(b)] for b in blocks]
+    if share:
+        tables[1][:share] = tables[0][:share]
+    width = max(blocks) + 2  # wider than needed: the kernel must not read past context_lens
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k, v, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+CASES = [  # (lens, kv heads, group, head dim, block size)
+    ([1], 3, 3, 64, 16),
+    ([15, 16, 17, 31, 32, 33], 2, 4, 64, 16),
+    ([200] * 8, 3, 3, 64, 16),
+    ([1000], 3, 3, 64, 16),  # one long sequence: split across the threads
+    ([1, 600], 1, 8, 32, 32),  # splits, and empty splits for the short one
+    ([5, 300, 7], 2, 12, 32, 16),  # a group wider than one P.V walk (8 heads)
+    ([40, 41], 4, 1, 128, 16),
+    ([19, 64], 2, 5, 80, 32),  # head dim 80: narrower P.V chunks
+    ([3, 70], 8, 2, 96, 16),
+]
+
+
+@pytest.mark.parametrize("lens,hkv,group,head_dim,block_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_gather(lens, hkv, group, head_dim, block_size, dtype):
+    k, v, bt, cl = paged(
+        lens, hkv, head_dim, block_size, dtype, share=1 if len(lens) > 1 and min(lens) > 32 else 0
+    )
+    q = torch.randn(len(lens), hkv * group, head_dim)
+    out = cpu_native.decode_attention(q, k, v, bt, cl, head_dim**-0.5)
+    assert out is not None and out.shape == q.shape and out.dtype == torch.float32
+    # the definition, in float32 math on the same (possibly bf16-rounded) cache contents
+    ref = ops.decode_by_gather(q, k.float(), v.float(), bt, cl, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_decode_strided_query_and_bf16_query():
+    k, v, bt, cl = paged([50, 9], 3, 64, 16)
+    qkv = torch.randn(2, 9 + 6, 64)
+    q = qkv[:, :9]  # a view into the fused qkv output, as the model passes it
+    ref = ops.decode_by_gather(q.contiguous(), k, v, bt, cl, 0.125)
+    torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
+    out16 = cpu_native.decode_attention(q.bfloat16(), k, v, bt, cl, 0.125)
+    assert out16.dtype == torch.bfloat16
+
+
+def test_decode_declines_what_it_does_not_cover():
+    k, v, bt, cl = paged([5], 2, 20, 16)  # head dim not a multiple of 8
+    assert cpu_native.decode_attention(torch.randn(1, 4, 20), k, v, bt, cl, 0.2) is None
+    k, v, bt, cl = paged([5], 2, 16, 16, dtype=torch.float16)
+    assert cpu_native.decode_attention(torch.randn(1, 4, 16), k, v, bt, cl, 0.2) is None
+    # the op itself still answers, through the gather path
+    out = ops.paged_attention_decode(torch.randn(1, 4, 16, dtype=torch.float16), k, v, bt, cl, 0.25)
+    assert out.shape == (1, 4, 16)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_dequantized(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 37, 48  # channel tails of every tile width
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) / 100
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    packed = cpu_native.int8_pack(w)
+    assert packed.numel() == 40 * k  # channels padded to whole tiles of 8
+    out = cpu_native.int8_linear(x, packed, scale, b)
+    ref = torch.nn.functional.linear(
+        x.double(), w.double() * scale.double()[:, None], b.double() if bias else None
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, 3, 2 * k, generator=g)[..., :k]  # leading dims and a row stride
+    out3 = cpu_native.int8_linear(x3, packed, scale, b)
+    assert out3.shape == (2, 3, n)
+    torch.testing.assert_close(
+        out3.reshape(6, n), cpu_native.int8_linear(x3.reshape(6, k).contiguous(), packed, scale, b)
+    )
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
+    """The plain-C lanes (no AVX2 intrinsics), built here with a baseline x86-64 target, give the same results."""
+    k, v, bt, cl = paged([33, 300], 3, 64, 16)
+    q, w, s, x = (
+        torch.randn(2, 9, 64),
+        torch.randint(-127, 128, (9, 16), dtype=torch.int8),
+        torch.rand(9),
+        torch.randn(3, 16),
+    )
+    ref = cpu_native.decode_attention(q, k, v, bt, cl, 0.125)
+    flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
+    lib = cpu_native.load(cpu_native.build(flags, tmp_path))
+    assert lib.llmd_has_avx2() == 0
+    monkeypatch.setattr(cpu_native, "library", lambda: lib)
+    torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
+    lin = cpu_native.int8_linear(x, cpu_native.int8_pack(w), s, None)
+    torch.testing.assert_close(
+        lin, torch.nn.functional.linear(x, w.float() * s[:, None]), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_switched_off_falls_back(monkeypatch):
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_native, "library", cpu_native.library.__wrapped__)
+    assert cpu_native.library() is None
+    k, v, bt, cl = paged([20], 1, 16, 16)
+    assert cpu_native.decode_attention(torch.randn(1, 2, 16), k, v, bt, cl, 0.25) is None
+    assert ops.paged_attention_decode(torch.randn(1, 2, 16), k, v, bt, cl, 0.25).shape == (1, 2, 16)
+
+
+def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
+    first = cpu_native.build(out_dir=tmp_path)
+    assert cpu_native.build(out_dir=tmp_path) == first  # keyed: the second call compiles nothing
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    with pytest.raises(cpu_native.NativeBuildError, match="failed"):
+        cpu_native.build(("-fno-such-flag-at-all",), tmp_path)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises((cpu_native.NativeBuildError, OSError)):
+        cpu_native.build(out_dir=tmp_path / "other")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows, with_residual):
+    x, r, w = torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(64)
+    residual = r if with_residual else None
+    out, summed = cpu_native.add_rms_norm(x, w, 1e-5, residual)
+    ref_sum = x + r if with_residual else x
+    torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)  # the residual stream is exact
+    ref = torch.nn.functional.rms_norm(ref_sum, (64,), w, 1e-5)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    assert cpu_native.add_rms_norm(x.bfloat16(), w, 1e-5, None) is None  # float32 only
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_and_mul_matches_torch(rows):
+    x = torch.randn(rows, 2 * 48) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(
+        cpu_native.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=2e-6
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_rope_and_store_matches_torch(tokens):
+    h, hkv, d, block = 4, 2, 32, 16
+    cache_shape = (6, block, hkv, d)
+    k_cache, v_cache = torch.zeros(cache_shape), torch.zeros(cache_shape)
+    qkv = torch.randn(tokens, h + 2 * hkv, d)
+    positions = torch.randint(0, 500, (tokens,))
+    angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    table = torch.zeros(512, d)
+    table[positions] = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    cos, sin = ops.rotary_tables(positions, table)
+    slots = torch.randperm(6 * block)[:tokens]
+    slots[0] = -1  # a padding row: rotated, not stored
+    expect_q, expect_k = ops.rotary_embedding(
+        positions, qkv[:, :h].clone(), qkv[:, h : h + hkv].clone(), table
+    )
+    expect_v = qkv[:, h + hkv :].clone()
+    assert cpu_native.rope_and_store(qkv, h, hkv, cos, sin, slots, k_cache, v_cache)
+    torch.testing.assert_close(qkv[:, :h], expect_q, atol=0, rtol=0)  # same two products and a sum
+    torch.testing.assert_close(qkv[:, h : h + hkv], expect_k, atol=0, rtol=0)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    stored = slots >= 0
+    torch.testing.assert_close(flat_k[slots[stored]], expect_k[stored])
+    torch.testing.assert_close(flat_v[slots[stored]], expect_v[stored])
+    assert int((flat_k != 0).any(-1).any(-1).sum()) == int(stored.sum())
