@@ -66,9 +66,7 @@ def test_test_script_sets_up_lints_and_runs_every_test_but_the_full_tier():
     steps = ["scripts/setup.sh", ".venv/bin/ruff check .", ".venv/bin/ruff format --check ."]
     assert [line for line in lines if line in steps] == steps
     pytest_line = lines[-1]
-    assert (
-        pytest_line.startswith("exec .venv/bin/python -m pytest") and '-m "not full"' in pytest_line
-    )
+    assert pytest_line.startswith("exec .venv/bin/python -m pytest") and '-m "not full"' in pytest_line
     assert "|| true" not in script.read_text()
 
 

@@ -10,7 +10,6 @@ import importlib
 from types import ModuleType
 
 BACKENDS = ("torch", "triton")
-OP_NAMES = ("store_kv", "paged_attention_decode", "paged_prefill_attention", "rms_norm", "rotary_embedding")
 
 
 def resolve_backend(requested: str, device_type: str) -> str:

@@ -6,7 +6,6 @@ Shared by the engine server (which produces streams) and the router (which relay
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from llmdeploy.openai_api.errors import OpenAIError
@@ -24,16 +23,3 @@ def sse_data(obj: dict[str, Any]) -> bytes:
 def sse_error_end(err: OpenAIError) -> bytes:
     """How a stream ends when it fails after its first chunk: an error event, then [DONE] (never a fake stop)."""
     return err.sse_event() + DONE
-
-
-async def parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any] | None]:
-    """Yield each `data:` payload of an SSE stream as a dict, and None for [DONE]; other fields are skipped."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            yield None
-            return
-        if payload:
-            yield json.loads(payload)

@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 
 from llmdeploy.openai_api.errors import OpenAIError
 from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
+from llmdeploy.openai_api.sse import DONE
 from llmdeploy.policies.route import LOCAL
 from llmdeploy.router.localhttp import LocalHTTP
 from llmdeploy.router.normalize import (
@@ -31,8 +32,6 @@ from llmdeploy.router.normalize import (
     stream_cut,
     timeout_failure,
 )
-
-DONE = b"data: [DONE]\n\n"
 
 
 @dataclass

@@ -52,7 +52,3 @@ class RoutingTable:
     def alias_of(self, revision: int | None, default: str) -> str:
         route = next((r for r in self._revisions if r.revision == revision), None)
         return (route.alias if route else None) or default
-
-    def stable_revision(self) -> int | None:
-        stable = next((r for r in self._revisions if r.role == "stable"), None)
-        return stable.revision if stable else None
