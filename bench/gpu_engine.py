@@ -50,9 +50,13 @@ def hf_static_batches(model, prompts: list[list[int]], output_len: int, batch_si
     def run(batch: list[list[int]], new_tokens: int) -> int:
         ids = torch.tensor(batch, device=device)
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
     with torch.inference_mode():
@@ -66,8 +70,12 @@ def hf_static_batches(model, prompts: list[list[int]], output_len: int, batch_si
                 )
                 sync(device)
                 seconds = time.perf_counter() - t
-                return dict(batch_size=batch_size, seconds=round(seconds, 2), output_tokens=tokens,
-                            output_tokens_per_s=round(tokens / seconds, 1))  # fmt: skip
+                return dict(
+                    batch_size=batch_size,
+                    seconds=round(seconds, 2),
+                    output_tokens=tokens,
+                    output_tokens_per_s=round(tokens / seconds, 1),
+                )
             except torch.cuda.OutOfMemoryError:
                 batch_size //= 2
                 gc.collect()
@@ -81,11 +89,16 @@ def engine_run(folder: Path, prompts: list[list[int]], args, device: str) -> dic
 
     t = time.perf_counter()
     llm = LLM(
-        model=str(folder), dtype="bfloat16" if device == "cuda" else "float32", device=device,
-        kernel_backend="triton", block_size=16, max_num_seqs=len(prompts),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.prompt_len + args.output_len,
+        model=str(folder),
+        dtype="bfloat16" if device == "cuda" else "float32",
+        device=device,
+        kernel_backend="triton",
+        block_size=16,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + args.output_len,
         gpu_memory_utilization=0.9,
-    )  # fmt: skip
+    )
     load_s = time.perf_counter() - t
     # the warm-up compiles every kernel variant the timed run meets: full prompts in a small decode batch
     # (split-K decode), a large decode batch of short prompts (no split), short prefill chunks
@@ -97,17 +110,25 @@ def engine_run(folder: Path, prompts: list[list[int]], args, device: str) -> dic
     seconds = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(
-        seconds=round(seconds, 2), output_tokens=tokens, output_tokens_per_s=round(tokens / seconds, 1),
-        total_tokens_per_s=round((tokens + sum(map(len, prompts))) / seconds, 1), load_s=round(load_s, 1),
+        seconds=round(seconds, 2),
+        output_tokens=tokens,
+        output_tokens_per_s=round(tokens / seconds, 1),
+        total_tokens_per_s=round((tokens + sum(map(len, prompts))) / seconds, 1),
+        load_s=round(load_s, 1),
         kv_cache_tokens=llm.engine.runner.capacity.tokens,
-    )  # fmt: skip
+    )
 
 
 def bench_engine(args, cfg: dict, device: str = "cuda") -> dict:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, cfg["vocab_size"], (args.requests, args.prompt_len), generator=gen).tolist()
-    result: dict = dict(model=args.model, requests=args.requests, prompt_len=args.prompt_len,
-                        output_len=args.output_len, target_speedup=5.0)  # fmt: skip
+    result: dict = dict(
+        model=args.model,
+        requests=args.requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        target_speedup=5.0,
+    )
     try:  # fail before the slow baseline when the engine's own packages are missing (e.g. pydantic)
         import llmdeploy.engine.llm  # noqa: F401
     except ImportError as exc:

@@ -260,9 +260,12 @@ def main() -> int:
     prompts = [tok.encode(f"Describe person number {i} as JSON:") for i in range(args.batch)]
     free = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     guided = SamplingParams(
-        temperature=0, max_tokens=args.steps,
-        guided=GuidedSpec.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 64}, "response_format"),
-    )  # fmt: skip
+        temperature=0,
+        max_tokens=args.steps,
+        guided=GuidedSpec.json_schema(
+            {"type": "array", "items": {"type": "integer"}, "minItems": 64}, "response_format"
+        ),
+    )
     decode_steps(llm, prompts[:4], free)  # warm-up
     base_s, base_n, base_steps = decode_steps(llm, prompts, free)
     g_s, g_n, g_steps = decode_steps(llm, prompts, guided)

@@ -198,8 +198,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = asyncio.run(run(args))
-    print(f"date: {res['date']}   CPU: {res['cpu']}   load average before/after: {res['load_average_before']}"
-          f" / {res['load_average_after']}")  # fmt: skip
+    print(
+        f"date: {res['date']}   CPU: {res['cpu']}   load average before/after: {res['load_average_before']}"
+        f" / {res['load_average_after']}"
+    )
     print(
         f"dtype {res['dtype']}, max_num_batched_tokens {res['max_num_batched_tokens']}, "
         f"torch threads {res['torch_threads']}"

@@ -34,16 +34,35 @@ KEY = "sk-bench-0123456789"
 BODY = json.dumps(
     {"model": ALIAS, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8}
 ).encode()
-ANSWER = json.dumps({
-    "id": "cmpl-bench", "object": "chat.completion", "created": 1, "model": ALIAS,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi there!"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
-}).encode()  # fmt: skip
-LOAD = json.dumps({
-    "waiting": 0, "running": 0, "free_blocks": 100000, "total_blocks": 100000, "block_size": 16,
-    "pending_prefill_tokens": 0, "prefill_tokens_per_s": 1e6, "decode_tokens_per_s": 1e5,
-    "predicted_queue_wait_ms": 0.0, "kv_usage": 0.0, "max_model_len": 4096, "max_num_seqs": 100000, "ready": True,
-}).encode()  # fmt: skip
+ANSWER = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": ALIAS,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "Hi there!"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12},
+    }
+).encode()
+LOAD = json.dumps(
+    {
+        "waiting": 0,
+        "running": 0,
+        "free_blocks": 100000,
+        "total_blocks": 100000,
+        "block_size": 16,
+        "pending_prefill_tokens": 0,
+        "prefill_tokens_per_s": 1e6,
+        "decode_tokens_per_s": 1e5,
+        "predicted_queue_wait_ms": 0.0,
+        "kv_usage": 0.0,
+        "max_model_len": 4096,
+        "max_num_seqs": 100000,
+        "ready": True,
+    }
+).encode()
 
 
 # ---- the fast upstream (run in its own process) -------------------------------------------------------------
@@ -191,8 +210,13 @@ def free_port() -> int:
 def start(cmd: list[str], health: str, env: dict | None = None, timeout_s: float = 120) -> subprocess.Popen:
     import urllib.request
 
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -265,8 +289,15 @@ async def measure(port: int, path: str, headers: dict, args, pid: int | None) ->
     rps, err2 = await max_throughput(port, path, headers, args.concurrency, args.seconds)
     done = rps * (time.perf_counter() - t0)
     cpu_ms = (cpu_seconds(pid) - cpu0) / done * 1000 if done and pid else float("nan")
-    return {"p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "mean": statistics.mean(lat) * 1000, "rps": rps,
-            "cpu_ms": cpu_ms, "errors": err + err2, "n": len(lat)}  # fmt: skip
+    return {
+        "p50": pct(lat, 0.5),
+        "p99": pct(lat, 0.99),
+        "mean": statistics.mean(lat) * 1000,
+        "rps": rps,
+        "cpu_ms": cpu_ms,
+        "errors": err + err2,
+        "n": len(lat),
+    }
 
 
 def main() -> int:
@@ -295,17 +326,36 @@ def main() -> int:
         procs.append(
             start([sys.executable, __file__, "--serve-upstream", str(up)], f"http://127.0.0.1:{up}/health")
         )
-        procs.append(start([sys.executable, "-m", "llmdeploy.router", "--config", str(router_config(tmp, rp)),
-                            "--engine", f"http://127.0.0.1:{up}"], f"http://127.0.0.1:{rp}/health",
-                           env={"BENCH_KEY": KEY, **router_path(args.router_path)}))  # fmt: skip
+        procs.append(
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "llmdeploy.router",
+                    "--config",
+                    str(router_config(tmp, rp)),
+                    "--engine",
+                    f"http://127.0.0.1:{up}",
+                ],
+                f"http://127.0.0.1:{rp}/health",
+                env={"BENCH_KEY": KEY, **router_path(args.router_path)},
+            )
+        )
         auth = {"authorization": f"Bearer {KEY}"}
         # the proxy's own process: its CPU per request is the overhead least disturbed by a busy machine
         targets = [("direct", up, {}, procs[0].pid), ("llmdeploy router", rp, auth, procs[1].pid)]
         if args.litellm_python:
             lp = free_port()
             litellm_bin = Path(args.litellm_python).with_name("litellm")
-            cmd = [str(litellm_bin) if litellm_bin.exists() else shutil.which("litellm") or "litellm",
-                   "--config", str(litellm_config(tmp, up)), "--port", str(lp), "--num_workers", "1"]  # fmt: skip
+            cmd = [
+                str(litellm_bin) if litellm_bin.exists() else shutil.which("litellm") or "litellm",
+                "--config",
+                str(litellm_config(tmp, up)),
+                "--port",
+                str(lp),
+                "--num_workers",
+                "1",
+            ]
             procs.append(
                 start(
                     cmd,

@@ -44,8 +44,12 @@ async def _traffic(url: str, n: int, rounds: int, pause_s: float) -> None:
                 {"model": "tiny", "prompt": f"hello {r} {i}", "max_tokens": 8, "stream": True}
                 for i in range(n)
             ]
-            await asyncio.gather(*(client.post("/v1/completions", json=b, headers={"x-session-id": f"u{r}-{i}"})
-                                   for i, b in enumerate(bodies)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    client.post("/v1/completions", json=b, headers={"x-session-id": f"u{r}-{i}"})
+                    for i, b in enumerate(bodies)
+                )
+            )
             await asyncio.sleep(pause_s)
 
 
@@ -70,14 +74,20 @@ def main() -> int:
         cloud = FakeCloud(root, expected_key="cloud-demo").start()
         cli = Cli(root / "home", env={"DEMO_KEY": KEY, "DEMO_CLOUD_KEY": "cloud-demo"})
         spec = base_spec(
-            NAME, model,
+            NAME,
+            model,
             auth={"api_key_required": True, "keys": [{"name": "app", "key_env": "DEMO_KEY"}]},
-            cloud={"enabled": True, "provider": "openai-compatible", "base_url": f"{cloud.base}/v1",
-                   "api_key_env": "DEMO_CLOUD_KEY", "model": "ernie-demo"},
+            cloud={
+                "enabled": True,
+                "provider": "openai-compatible",
+                "base_url": f"{cloud.base}/v1",
+                "api_key_env": "DEMO_CLOUD_KEY",
+                "model": "ernie-demo",
+            },
             routing={"burst": {"local_rps": 4}, "overflow": {"use_predicted_ttft": False}},
             sla={"ttft_p99_ms": 5000, "tpot_p99_ms": 5000},
             cost={"cloud_input_per_1m": 0.55, "cloud_output_per_1m": 2.2, "local_per_hour": 1.1},
-        )  # fmt: skip
+        )
         url = f"http://{spec['listen']}"
         try:
             cli.ok("apply", str(write_spec(root / "v1.yaml", spec)))
@@ -86,8 +96,19 @@ def main() -> int:
             cli.ok("apply", str(write_spec(root / "v2.yaml", v2)))
             cli.ok("canary", "--percent", "20")
             v1 = root / "v1.yaml"
-            cli.ok("bench", "--sla-from", str(v1), "--concurrency", "1,2,4", "--requests", "8", "--output-len", "8",
-                   "--save", timeout=600)  # fmt: skip
+            cli.ok(
+                "bench",
+                "--sla-from",
+                str(v1),
+                "--concurrency",
+                "1,2,4",
+                "--requests",
+                "8",
+                "--output-len",
+                "8",
+                "--save",
+                timeout=600,
+            )
             asyncio.run(_traffic(url, 8, 20, 1.0))
             with browser.chromium(width=1500, height=900) as context:
                 page = browser.open_page(context, f"{url}/dashboard")

@@ -164,8 +164,10 @@ def bench(
     for note in resolved.notes:
         warn(note)
     stop = f"{cfg.stop.requests} requests" if cfg.stop.requests else f"{cfg.stop.duration_s:g} s"
-    err_console.print(f"bench {cfg.target.model} at {cfg.target.api_base}: {cfg.mode} "
-                      f"{', '.join(f'{v:g}' for v in cfg.levels)}, {stop} each")  # fmt: skip
+    err_console.print(
+        f"bench {cfg.target.model} at {cfg.target.api_base}: {cfg.mode} "
+        f"{', '.join(f'{v:g}' for v in cfg.levels)}, {stop} each"
+    )
     started = dt.datetime.now(dt.timezone.utc)
     try:
         run = run_session(cfg, err_console)

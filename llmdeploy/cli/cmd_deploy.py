@@ -68,9 +68,11 @@ def apply(
         store.close()
         keys = plan_keys(spec, os.environ, stored_keys)
         req = ApplyRequest(
-            spec=spec_dict(spec), force=force, env={n: os.environ.get(n) for n in referenced_env(spec)},
+            spec=spec_dict(spec),
+            force=force,
+            env={n: os.environ.get(n) for n in referenced_env(spec)},
             key_hashes=keys.hashes,
-        )  # fmt: skip
+        )
         if not foreground:
             return _apply_detached(paths, req, keys.new_keys, spec)
         if AdminClient(paths).alive():
@@ -222,8 +224,11 @@ def _dry_run(spec, paths: DeploymentPaths) -> None:
 
 def register(app: typer.Typer) -> None:
     cmd = lambda *ex: app.command(epilog=examples(*ex))  # noqa: E731
-    cmd("llmdeploy apply llmdeploy.yaml", "llmdeploy apply llmdeploy.yaml --dry-run",
-        "llmdeploy apply llmdeploy.yaml --foreground   # systemd, containers")(apply)  # fmt: skip
+    cmd(
+        "llmdeploy apply llmdeploy.yaml",
+        "llmdeploy apply llmdeploy.yaml --dry-run",
+        "llmdeploy apply llmdeploy.yaml --foreground   # systemd, containers",
+    )(apply)
 
 
 def canary_share_line(share: dict) -> str:

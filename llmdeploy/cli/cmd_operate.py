@@ -164,10 +164,17 @@ def history(
             for prev, r in zip([None, *revs[:-1]], revs, strict=True)
         ]
         rows = [
-            {"id": r.id, "state": r.state, "created": r.created, "origin": r.origin, "spec_hash": r.spec_hash,
-             "change": change, "reason": r.reason}
+            {
+                "id": r.id,
+                "state": r.state,
+                "created": r.created,
+                "origin": r.origin,
+                "spec_hash": r.spec_hash,
+                "change": change,
+                "reason": r.reason,
+            }
             for r, change in zip(revs, changes, strict=True)
-        ]  # fmt: skip
+        ]
         plain(json.dumps(rows, indent=2))
         return
     console.print(history_table(revs, dep.stable if dep else None, dep.candidate if dep else None))

@@ -15,9 +15,13 @@ from llmdeploy.control import revisions as rv
 from llmdeploy.control.diff import diff_specs
 
 STATE_STYLE = {
-    rv.STARTING: "yellow", rv.READY: "cyan", rv.SERVING: "green", rv.RETIRED: "dim", rv.FAILED: "red",
+    rv.STARTING: "yellow",
+    rv.READY: "cyan",
+    rv.SERVING: "green",
+    rv.RETIRED: "dim",
+    rv.FAILED: "red",
     rv.ROLLED_BACK: "magenta",
-}  # fmt: skip
+}
 
 
 def ago(ts: float | None) -> str:
@@ -77,10 +81,15 @@ def revisions_table(st: dict[str, Any]) -> Table:
     for r in shown:  # the live ones and the recent history; `llmdeploy history` has all
         live = r["state"] in rv.LIVE_STATES
         t.add_row(
-            str(r["id"]), Text(r["state"], style=STATE_STYLE.get(r["state"], "")), r.get("role") or "",
-            f"{r['percent']:g}%" if r.get("role") else "", ago(r["created"]), r["origin"],
-            r["model"] if live else Text(r["model"], style="dim"), r.get("reason") or "",
-        )  # fmt: skip
+            str(r["id"]),
+            Text(r["state"], style=STATE_STYLE.get(r["state"], "")),
+            r.get("role") or "",
+            f"{r['percent']:g}%" if r.get("role") else "",
+            ago(r["created"]),
+            r["origin"],
+            r["model"] if live else Text(r["model"], style="dim"),
+            r.get("reason") or "",
+        )
     return t
 
 
@@ -94,10 +103,18 @@ def replicas_table(st: dict[str, Any]) -> Table:
         health = Text(r["phase"], style="green" if r["ready"] else "yellow" if not r.get("failed") else "red")
         kv = f"{r['kv_usage']:.0%}" if r.get("kv_usage") is not None else "-"
         t.add_row(
-            str(r["revision"]), r["replica"], str(r["pid"] or "-"), r["url"].rsplit(":", 1)[-1], health,
-            dtype_cell(r), str(r["restarts"]), kv,
-            _num(r.get("waiting")), _num(r.get("running")), memory_cell(r.get("resources")),
-        )  # fmt: skip
+            str(r["revision"]),
+            r["replica"],
+            str(r["pid"] or "-"),
+            r["url"].rsplit(":", 1)[-1],
+            health,
+            dtype_cell(r),
+            str(r["restarts"]),
+            kv,
+            _num(r.get("waiting")),
+            _num(r.get("running")),
+            memory_cell(r.get("resources")),
+        )
     return t
 
 
@@ -120,9 +137,15 @@ def traffic_table(st: dict[str, Any]) -> Table:
         rate = w.get("requests", 0) / w["window_s"] if w.get("window_s") else 0.0
         ttft, p50 = (_ms(w.get(k)) for k in ("ttft_p99_ms", "ttft_p50_ms"))
         t.add_row(
-            str(r["revision"]), r.get("role", ""), f"{r.get('percent', 0):g}%", str(w.get("requests", 0)),
-            f"{rate:.2f}", f"{w.get('error_rate', 0):.1%}", p50, ttft,
-        )  # fmt: skip
+            str(r["revision"]),
+            r.get("role", ""),
+            f"{r.get('percent', 0):g}%",
+            str(w.get("requests", 0)),
+            f"{rate:.2f}",
+            f"{w.get('error_rate', 0):.1%}",
+            p50,
+            ttft,
+        )
     return t
 
 
@@ -197,9 +220,13 @@ def history_table(revisions: list[Any], stable: int | None, candidate: int | Non
     for r in revisions:
         role = " (stable)" if r.id == stable else " (candidate)" if r.id == candidate else ""
         t.add_row(
-            str(r.id), Text(r.state + role, style=STATE_STYLE.get(r.state, "")), ago(r.created), r.origin,
-            revision_change(prev, r.spec), r.reason,
-        )  # fmt: skip
+            str(r.id),
+            Text(r.state + role, style=STATE_STYLE.get(r.state, "")),
+            ago(r.created),
+            r.origin,
+            revision_change(prev, r.spec),
+            r.reason,
+        )
         prev = r.spec
     return t
 

@@ -23,9 +23,11 @@ class AdminClient:
     def __init__(self, paths: DeploymentPaths, timeout_s: float = 180.0):
         self.paths = paths
         self.http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(paths.admin_sock)), base_url="http://llmdeploy-admin",
-            timeout=httpx.Timeout(timeout_s, connect=2.0), trust_env=False,
-        )  # fmt: skip
+            transport=httpx.HTTPTransport(uds=str(paths.admin_sock)),
+            base_url="http://llmdeploy-admin",
+            timeout=httpx.Timeout(timeout_s, connect=2.0),
+            trust_env=False,
+        )
 
     def close(self) -> None:
         self.http.close()

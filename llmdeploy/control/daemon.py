@@ -120,9 +120,13 @@ def spawn_daemon(paths: DeploymentPaths) -> subprocess.Popen:
     with open(paths.daemon_log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "llmdeploy.control.daemon", "--name", paths.name],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=paths.root, env={**os.environ, "LLMDEPLOY_HOME": str(home()), "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=paths.root,
+            env={**os.environ, "LLMDEPLOY_HOME": str(home()), "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,9 +93,15 @@ async def open_router_listener(app: Any, spec: DeploymentSpec, drain_s: float = 
     sock = tcp_socket(spec.listen_host, spec.listen_port)
     tls = {"ssl_certfile": spec.tls.cert_file, "ssl_keyfile": spec.tls.key_file} if spec.tls.enabled else {}
     listener = Listener(
-        app, sock, f"router on {spec.listen}", lifespan="off", timeout_graceful_shutdown=drain_s,
-        timeout_keep_alive=30, **uvicorn_settings(), **tls,
-    )  # fmt: skip
+        app,
+        sock,
+        f"router on {spec.listen}",
+        lifespan="off",
+        timeout_graceful_shutdown=drain_s,
+        timeout_keep_alive=30,
+        **uvicorn_settings(),
+        **tls,
+    )
     return await listener.start()
 
 

@@ -27,9 +27,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmdeploy.control")
 LOAD_KEYS = (
-    "kv_usage", "waiting", "running", "free_blocks", "total_blocks", "max_num_seqs", "step_cost", "resources",
-    "dtype", "quantization",
-)  # fmt: skip
+    "kv_usage",
+    "waiting",
+    "running",
+    "free_blocks",
+    "total_blocks",
+    "max_num_seqs",
+    "step_cost",
+    "resources",
+    "dtype",
+    "quantization",
+)
 PROBE_TIMEOUT_S = 0.5  # status must answer at once, even when an orphaned engine hangs
 
 
@@ -44,11 +52,21 @@ def revision_rows(
     rows = []
     for r in store.revisions():
         role = "stable" if r.id == stable else "candidate" if r.id == candidate else None
-        rows.append({
-            "id": r.id, "state": r.state, "role": role, "percent": shares.get(r.id, 0.0), "created": r.created,
-            "spec_hash": r.spec_hash, "origin": r.origin, "reason": r.reason, "served": r.served,
-            "phase": (phases or {}).get(r.id), "model": r.spec["model"]["path"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": r.id,
+                "state": r.state,
+                "role": role,
+                "percent": shares.get(r.id, 0.0),
+                "created": r.created,
+                "spec_hash": r.spec_hash,
+                "origin": r.origin,
+                "reason": r.reason,
+                "served": r.served,
+                "phase": (phases or {}).get(r.id),
+                "model": r.spec["model"]["path"],
+            }
+        )
     return rows
 
 
@@ -126,19 +144,25 @@ def offline_status(paths: DeploymentPaths) -> dict[str, Any]:
         note = "not running (stopped by `llmdeploy down`)" if dep and not dep.running else died
         spec = _last_spec(dep.spec if dep else None)
         return {
-            "name": paths.name, "daemon": {"running": False, "note": note},
-            "url": router_url(spec) if spec else None, "listening": False,
+            "name": paths.name,
+            "daemon": {"running": False, "note": note},
+            "url": router_url(spec) if spec else None,
+            "listening": False,
             "served_alias": spec.model.served_alias if spec else None,
-            "cloud": bool(spec and spec.cloud.enabled), "auth": bool(spec and spec.auth.api_key_required),
+            "cloud": bool(spec and spec.cloud.enabled),
+            "auth": bool(spec and spec.auth.api_key_required),
             "settings_from": "last applied spec" if spec else None,
-            "stable": stable, "candidate": candidate,
+            "stable": stable,
+            "candidate": candidate,
             "split": {str(k): v for k, v in rv.split(stable, candidate, percent).items()},
             "revisions": revision_rows(store, stable, candidate, percent),
             "replicas": [_orphan(rec) for rec in running_engines(store, paths)],
-            "router": {}, "auto_rollback": None,
+            "router": {},
+            "auto_rollback": None,
             "events": [asdict(e) for e in store.events(12)],
-            "last_auto_rollback": _last(store, "auto-rollback"), "bench": latest_curve(paths),
-        }  # fmt: skip
+            "last_auto_rollback": _last(store, "auto-rollback"),
+            "bench": latest_curve(paths),
+        }
     finally:
         store.close()
 
@@ -155,11 +179,17 @@ def _orphan(rec: EngineRecord) -> dict[str, Any]:
     url = f"http://127.0.0.1:{rec.port}"
     healthy, load = _probe(f"{url}/health") is not None, _probe(f"{url}/load")
     return {
-        "revision": rec.revision, "replica": rec.replica, "url": url, "pid": rec.pid, "ready": healthy,
+        "revision": rec.revision,
+        "replica": rec.replica,
+        "url": url,
+        "pid": rec.pid,
+        "ready": healthy,
         "phase": "running, unsupervised" if healthy else "not answering, unsupervised",
-        "restarts": rec.restarts, "kv_tokens": None, "failed": False,
+        "restarts": rec.restarts,
+        "kv_tokens": None,
+        "failed": False,
         **{k: load.get(k) if isinstance(load, dict) else None for k in LOAD_KEYS},
-    }  # fmt: skip
+    }
 
 
 def _probe(url: str) -> Any:

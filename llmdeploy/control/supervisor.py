@@ -56,12 +56,36 @@ MIN_ENGINE_BODY_BYTES = 32 * 1024 * 1024
 def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> list[str]:
     m, e = spec.model, spec.engine
     cmd = [
-        sys.executable, "-m", "llmdeploy.engine", "--model", m.path, "--served-alias", m.served_alias,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", m.dtype, "--max-model-len", str(m.max_model_len),
-        "--block-size", str(e.block_size), "--max-num-seqs", str(e.max_num_seqs),
-        "--max-num-batched-tokens", str(e.max_num_batched_tokens), "--kv-cache-gb", str(e.kv_cache_gb),
-        "--device", e.device, "--kernel-backend", e.kernel_backend, "--seed", str(e.seed),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llmdeploy.engine",
+        "--model",
+        m.path,
+        "--served-alias",
+        m.served_alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        m.dtype,
+        "--max-model-len",
+        str(m.max_model_len),
+        "--block-size",
+        str(e.block_size),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--kv-cache-gb",
+        str(e.kv_cache_gb),
+        "--device",
+        e.device,
+        "--kernel-backend",
+        e.kernel_backend,
+        "--seed",
+        str(e.seed),
+    ]
     cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization), "--log-level", spec.logging.level]
     cmd += ["--drain-timeout", str(drain_s), "--max-body-bytes", str(engine_body_limit(spec))]
     cmd += ["--ttft-sla-ms", str(spec.sla.ttft_p99_ms)]  # the scheduler's deadlines count from it
@@ -117,9 +141,16 @@ class Replica:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "revision": self.revision, "replica": self.name, "url": self.url, "pid": self.pid, "ready": self.ready,
-            "phase": self.phase, "restarts": self.restarts, "kv_tokens": self.kv_tokens, "failed": self.failed,
-        }  # fmt: skip
+            "revision": self.revision,
+            "replica": self.name,
+            "url": self.url,
+            "pid": self.pid,
+            "ready": self.ready,
+            "phase": self.phase,
+            "restarts": self.restarts,
+            "kv_tokens": self.kv_tokens,
+            "failed": self.failed,
+        }
 
 
 class Supervisor:
@@ -239,9 +270,14 @@ class Supervisor:
             out.flush()
             r.log_offset, r.kv_tokens = out.tell(), None
             r.proc = subprocess.Popen(
-                engine_command(r.spec, r.port), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, cwd=self.paths.root,
-            )  # fmt: skip
+                engine_command(r.spec, r.port),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                cwd=self.paths.root,
+            )
         r.pid, r.started, r.ready, r.phase = r.proc.pid, time.monotonic(), False, "loading weights"
         self.store.record_engine(r.revision, r.name, r.pid, r.port, r.restarts)
         log.info("engine rev %s %s started: pid %s port %s", r.revision, r.name, r.pid, r.port)
@@ -273,18 +309,28 @@ class Supervisor:
         if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY:
             r.failed, r.phase = True, f"failed: {how}"
             self.event(
-                "engine-failed", f"engine {r.name} {how} {r.crashes} times before becoming ready; giving up",
-                r.revision, {"pid": r.pid, "log_tail": tail},
-            )  # fmt: skip
+                "engine-failed",
+                f"engine {r.name} {how} {r.crashes} times before becoming ready; giving up",
+                r.revision,
+                {"pid": r.pid, "log_tail": tail},
+            )
             self.store.forget_engine(r.revision, r.name)
             self.on_change()
             return False
         delay = backoff_s(r.crashes)
         r.phase = f"restarting in {delay:g}s ({how})"
         self.event(
-            "engine-crash", f"engine {r.name} (pid {r.pid}) {how}; restart in {delay:g}s", r.revision,
-            {"pid": r.pid, "port": r.port, "crashes_in_a_row": r.crashes, "backoff_s": delay, "log_tail": tail},
-        )  # fmt: skip
+            "engine-crash",
+            f"engine {r.name} (pid {r.pid}) {how}; restart in {delay:g}s",
+            r.revision,
+            {
+                "pid": r.pid,
+                "port": r.port,
+                "crashes_in_a_row": r.crashes,
+                "backoff_s": delay,
+                "log_tail": tail,
+            },
+        )
         await asyncio.sleep(delay)
         r.restarts += 1
         r.restart_pending = True
@@ -317,9 +363,11 @@ class Supervisor:
         if r.restart_pending:
             r.restart_pending = False
             self.event(
-                "engine-restart", f"engine {r.name} restarted and ready (pid {r.pid}, port {r.port})", r.revision,
+                "engine-restart",
+                f"engine {r.name} restarted and ready (pid {r.pid}, port {r.port})",
+                r.revision,
                 {"pid": r.pid, "port": r.port, "restarts": r.restarts},
-            )  # fmt: skip
+            )
         log.info("engine rev %s %s ready (pid %s, KV %s tokens)", r.revision, r.name, r.pid, r.kv_tokens)
         self.on_change()
 

@@ -235,9 +235,13 @@ class EngineServer:
         outs = [c for f in finals for c in f.outputs]
         log.info(
             "request %s %s: prompt_tokens=%d completion_tokens=%d finish=%s time=%.3fs",
-            job.rid, job.fmt.object, sum(len(p.token_ids) for p in job.prompts), sum(len(c.token_ids) for c in outs),
-            ",".join(sorted({str(c.finish_reason) for c in outs})), time.perf_counter() - job.started,
-        )  # fmt: skip
+            job.rid,
+            job.fmt.object,
+            sum(len(p.token_ids) for p in job.prompts),
+            sum(len(c.token_ids) for c in outs),
+            ",".join(sorted({str(c.finish_reason) for c in outs})),
+            time.perf_counter() - job.started,
+        )
         if self.log_bodies:
             log.info(
                 "request %s prompt: %r", job.rid, [self.tokenizer.decode(p.token_ids) for p in job.prompts]

@@ -33,17 +33,41 @@ c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
     "llmd_has_avx2": [],
     "llmd_paged_decode_attention": [
-        c_ptr, c_int64, c_ptr, c_ptr, c_int, c_ptr, c_int64, c_ptr, c_ptr,
-        c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int,
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_int,
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_float,
+        c_int,
     ],
     "llmd_int8_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_int8_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_add_rms_norm": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
     "llmd_rope_store": [
-        c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int,
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_int,
     ],
-}  # fmt: skip
+}
 
 
 class NativeBuildError(RuntimeError):

@@ -22,8 +22,14 @@ Outcome = Literal[
     "local_on_time", "local_late", "cloud", "unknown_on_time", "unknown_late", "rejected", "failed"
 ]
 OUTCOMES: tuple[Outcome, ...] = (
-    "local_on_time", "local_late", "cloud", "unknown_on_time", "unknown_late", "rejected", "failed"
-)  # fmt: skip
+    "local_on_time",
+    "local_late",
+    "cloud",
+    "unknown_on_time",
+    "unknown_late",
+    "rejected",
+    "failed",
+)
 
 
 def classify(r: RequestResult, ttft_target_ms: float) -> Outcome:

@@ -60,13 +60,23 @@ def _figure(report: dict[str, Any]):
         if best_x is not None:
             ax.axvline(best_x, color="green", linestyle=":", linewidth=1)
         if best_x is not None and ax is axes[0][1]:
-            ax.annotate("highest load meeting the SLA", (best_x, 0), xytext=(3, 3), textcoords="offset points",
-                        rotation=90, fontsize=7, color="green", va="bottom")  # fmt: skip
+            ax.annotate(
+                "highest load meeting the SLA",
+                (best_x, 0),
+                xytext=(3, 3),
+                textcoords="offset points",
+                rotation=90,
+                fontsize=7,
+                color="green",
+                va="bottom",
+            )
     if burst:
         _burst(fig.add_subplot(grid[1, :]), burst)
     target = report["target"]
-    fig.suptitle(f"llmdeploy bench: {target['model']} at {target['url']}  -  {report['verdict']['summary']}",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"llmdeploy bench: {target['model']} at {target['url']}  -  {report['verdict']['summary']}",
+        fontsize=10,
+    )
     return fig
 
 
@@ -87,8 +97,11 @@ def _burst(ax, burst: dict[str, Any]) -> None:
     ax.axvspan(burst["burst_start_s"], burst["burst_end_s"], color="#ffdd99", alpha=0.5, label="burst")
     failed_y = burst["ttft_target_ms"] * 1.5
     for backend, color in BACKEND_COLORS.items():
-        pts = [(t, ttft) for t, ttft, b, ok, _ in burst["timeline"]
-               if ok and ttft is not None and (b if b in BACKEND_COLORS else "unknown") == backend]  # fmt: skip
+        pts = [
+            (t, ttft)
+            for t, ttft, b, ok, _ in burst["timeline"]
+            if ok and ttft is not None and (b if b in BACKEND_COLORS else "unknown") == backend
+        ]
         if pts:
             ax.scatter(*zip(*pts, strict=True), s=8, color=color, label=f"TTFT, {backend}")
     failed = [t for t, _, _, ok, _ in burst["timeline"] if not ok]
@@ -130,11 +143,17 @@ def _html(report: dict[str, Any], svg: str) -> str:
     head = ["load", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p99", "e2e p99", "success", "SLA"]
     rows = []
     for lv in report["levels"]:
-        cells = [f"{lv['mode']} {lv['value']:g}", f"{lv['requests_per_s']:.2f}", f"{lv['output_tokens_per_s']:.1f}",
-                 _ms(lv["ttft_ms"]["p50"]), _ms(lv["ttft_ms"]["p99"]), _ms(lv["tpot_ms"]["p99"]),
-                 _ms(lv["e2e_ms"]["p99"]),
-                 "-" if lv["success_rate"] is None else f"{lv['success_rate']:.1%}",
-                 "meets" if lv["meets_sla"] else "misses: " + "; ".join(lv["sla_misses"])]  # fmt: skip
+        cells = [
+            f"{lv['mode']} {lv['value']:g}",
+            f"{lv['requests_per_s']:.2f}",
+            f"{lv['output_tokens_per_s']:.1f}",
+            _ms(lv["ttft_ms"]["p50"]),
+            _ms(lv["ttft_ms"]["p99"]),
+            _ms(lv["tpot_ms"]["p99"]),
+            _ms(lv["e2e_ms"]["p99"]),
+            "-" if lv["success_rate"] is None else f"{lv['success_rate']:.1%}",
+            "meets" if lv["meets_sla"] else "misses: " + "; ".join(lv["sla_misses"]),
+        ]
         rows.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>")
     t = report["target"]
     return (

@@ -160,9 +160,16 @@ async def _send(client, target: Target, req: PlannedRequest, base: dict, clock) 
         error = reading.error or (None if reading.done or reading.finished else "truncated")
         tokens, source = _tokens(reading.usage, reading.chunks, "chunks")
         ttft = None if reading.ttft_s is None else reading.ttft_s - base["arrival_s"]
-        return RequestResult(**common, end_s=end, ok=error is None, error=error, ttft_s=ttft,
-                             output_tokens=tokens, prompt_tokens=_prompt_tokens(reading.usage),
-                             token_source=source)  # fmt: skip
+        return RequestResult(
+            **common,
+            end_s=end,
+            ok=error is None,
+            error=error,
+            ttft_s=ttft,
+            output_tokens=tokens,
+            prompt_tokens=_prompt_tokens(reading.usage),
+            token_source=source,
+        )
 
 
 def _whole_answer(common: dict, raw: bytes, end: float) -> RequestResult:
@@ -179,8 +186,14 @@ def _whole_answer(common: dict, raw: bytes, end: float) -> RequestResult:
         return RequestResult(**common, end_s=end, ok=False, error="protocol")
     usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
     tokens, source = _tokens(usage, len(text.split()), "words")
-    return RequestResult(**common, end_s=end, ok=True, output_tokens=tokens,
-                         prompt_tokens=_prompt_tokens(usage), token_source=source)  # fmt: skip
+    return RequestResult(
+        **common,
+        end_s=end,
+        ok=True,
+        output_tokens=tokens,
+        prompt_tokens=_prompt_tokens(usage),
+        token_source=source,
+    )
 
 
 def monotonic_since(start: float) -> Callable[[], float]:

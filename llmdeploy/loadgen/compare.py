@@ -59,8 +59,9 @@ def level_label(key: tuple[str, float]) -> str:
     return f"concurrency {value:g}" if mode == "concurrency" else f"rate {value:g}/s"
 
 
-def judge_figure(path: str, better: Better, before: float | None, after: float | None,
-                 tolerance: float) -> tuple[float | None, Direction, bool]:  # fmt: skip
+def judge_figure(
+    path: str, better: Better, before: float | None, after: float | None, tolerance: float
+) -> tuple[float | None, Direction, bool]:
     if before is None or after is None:
         return None, "n/a", False
     if path == "success_rate":
@@ -89,9 +90,13 @@ class Comparison:
         return [c for c in self.changes if c.regression]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tolerance": self.tolerance, "regressions": len(self.regressions),
-                "changes": [asdict(c) for c in self.changes],
-                "only_in_baseline": self.only_in_baseline, "only_in_current": self.only_in_current}  # fmt: skip
+        return {
+            "tolerance": self.tolerance,
+            "regressions": len(self.regressions),
+            "changes": [asdict(c) for c in self.changes],
+            "only_in_baseline": self.only_in_baseline,
+            "only_in_current": self.only_in_current,
+        }
 
 
 def compare_levels(

@@ -140,12 +140,18 @@ def spec_defaults(path: Path, environ: Mapping[str, str], notes: list[str]) -> _
         host, port = split_listen(spec.listen)
         host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
         key_env = next((k.key_env for k in spec.auth.keys if k.key_env and environ.get(k.key_env)), None)
-        return _SpecDefaults(f"{'https' if spec.tls.enabled else 'http'}://{host}:{port}", spec.model.served_alias,
-                             key_env if spec.auth.api_key_required else None, spec.sla.ttft_p99_ms,
-                             spec.sla.tpot_p99_ms)  # fmt: skip
+        return _SpecDefaults(
+            f"{'https' if spec.tls.enabled else 'http'}://{host}:{port}",
+            spec.model.served_alias,
+            key_env if spec.auth.api_key_required else None,
+            spec.sla.ttft_p99_ms,
+            spec.sla.tpot_p99_ms,
+        )
     # errors elsewhere (e.g. the model path exists only on the serving machine): its sla section still counts
-    notes.append(f"{path} has {len(result.errors)} problem(s) outside sla (first: {result.errors[0].format()}); "
-                 "only its sla section is used")  # fmt: skip
+    notes.append(
+        f"{path} has {len(result.errors)} problem(s) outside sla (first: {result.errors[0].format()}); "
+        "only its sla section is used"
+    )
     raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     sla = SLASpec.model_validate((raw.get("sla") if isinstance(raw, dict) else None) or {})
     return _SpecDefaults(ttft_p99_ms=sla.ttft_p99_ms, tpot_p99_ms=sla.tpot_p99_ms)
@@ -222,17 +228,34 @@ def resolve(o: BenchOptions, environ: Mapping[str, str] | None = None) -> Resolv
     for m in metrics:
         if urlsplit(m).scheme not in ("http", "https"):
             raise ConfigError(f"--metrics-url {m!r} must be an http:// or https:// URL")
-    cfg = BenchConfig(shown_url(url), target, metrics, mode, levels, stop, workload, sla, burst,
-                      o.warmup, o.seed, o.max_inflight, _ca_file(o.ca_file))  # fmt: skip
+    cfg = BenchConfig(
+        shown_url(url),
+        target,
+        metrics,
+        mode,
+        levels,
+        stop,
+        workload,
+        sla,
+        burst,
+        o.warmup,
+        o.seed,
+        o.max_inflight,
+        _ca_file(o.ca_file),
+    )
     return Resolved(cfg, key_env, baseline, _parse(parse_percent, o.tolerance, "--tolerance"), notes)
 
 
 def _run_settings(o: BenchOptions, base_load: dict[str, Any]) -> None:
     """Fill the settings not given from the baseline (the same run again), else the defaults."""
     defaults = {"timeout": "120s", "warmup": 2, "seed": 0, "ignore_eos": False, "max_inflight": 1024}
-    recorded = {"timeout": f"{base_load['timeout_s']}s" if base_load.get("timeout_s") else None,
-                "warmup": base_load.get("warmup"), "seed": base_load.get("seed"),
-                "ignore_eos": base_load.get("ignore_eos"), "max_inflight": base_load.get("max_inflight")}  # fmt: skip
+    recorded = {
+        "timeout": f"{base_load['timeout_s']}s" if base_load.get("timeout_s") else None,
+        "warmup": base_load.get("warmup"),
+        "seed": base_load.get("seed"),
+        "ignore_eos": base_load.get("ignore_eos"),
+        "max_inflight": base_load.get("max_inflight"),
+    }
     for name, default in defaults.items():
         if getattr(o, name) is None:
             setattr(o, name, recorded[name] if recorded[name] is not None else default)
@@ -258,9 +281,13 @@ def _chart_ok(path: Path) -> None:
 
 
 def _exclusive(o: BenchOptions) -> None:
-    pairs = ((o.concurrency, "--concurrency", o.rate, "--rate"), (o.duration, "--duration", o.requests, "--requests"),
-             (o.mix, "--mix", o.dataset, "--dataset"), (o.prompt_len, "--prompt-len", o.mix, "--mix"),
-             (o.prompt_len, "--prompt-len", o.dataset, "--dataset"))  # fmt: skip
+    pairs = (
+        (o.concurrency, "--concurrency", o.rate, "--rate"),
+        (o.duration, "--duration", o.requests, "--requests"),
+        (o.mix, "--mix", o.dataset, "--dataset"),
+        (o.prompt_len, "--prompt-len", o.mix, "--mix"),
+        (o.prompt_len, "--prompt-len", o.dataset, "--dataset"),
+    )
     for a, fa, b, fb in pairs:
         if a is not None and b is not None:
             raise ConfigError(f"give {fa} or {fb}, not both")

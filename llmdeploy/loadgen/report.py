@@ -18,8 +18,14 @@ from llmdeploy.loadgen.stats import LevelSummary, Quantiles
 FORMAT = 1
 
 
-def report_dict(cfg: BenchConfig, run: BenchRun, comparison: Comparison | None, exit_code: int,
-                started_at: dt.datetime, api_key_env: str | None) -> dict[str, Any]:  # fmt: skip
+def report_dict(
+    cfg: BenchConfig,
+    run: BenchRun,
+    comparison: Comparison | None,
+    exit_code: int,
+    started_at: dt.datetime,
+    api_key_env: str | None,
+) -> dict[str, Any]:
     return {
         "tool": "llmdeploy bench",
         "format": FORMAT,
@@ -30,7 +36,7 @@ def report_dict(cfg: BenchConfig, run: BenchRun, comparison: Comparison | None, 
             "api_base": cfg.target.api_base,
             "model": cfg.target.model,
             "api_key_env": api_key_env,
-        },  # fmt: skip
+        },
         "load": cfg.load_dict(),
         "sla": asdict(cfg.sla),
         "levels": [asdict(lv) for lv in run.levels],
@@ -100,9 +106,15 @@ def levels_tables(levels: list[LevelSummary], title: str) -> Group:
             overflow="fold",
         )
     for lv in levels:
-        speed.add_row(f"{lv.value:g}", f"{lv.requests_per_s:.2f}", f"{lv.output_tokens_per_s:.1f}",
-                      _qs(lv.ttft_ms, "p50", "p90", "p99"), _qs(lv.tpot_ms, "p50", "p99"),
-                      _qs(lv.e2e_ms, "p50", "p99"), _sla(lv))  # fmt: skip
+        speed.add_row(
+            f"{lv.value:g}",
+            f"{lv.requests_per_s:.2f}",
+            f"{lv.output_tokens_per_s:.1f}",
+            _qs(lv.ttft_ms, "p50", "p90", "p99"),
+            _qs(lv.tpot_ms, "p50", "p99"),
+            _qs(lv.e2e_ms, "p50", "p99"),
+            _sla(lv),
+        )
         success = "-" if lv.success_rate is None else f"{lv.success_rate:.1%}"
         where.add_row(f"{lv.value:g}", str(lv.requests), success, _errors(lv), _share(lv), _server(lv))
     return Group(speed, where)
@@ -112,8 +124,11 @@ def burst_view(b: dict[str, Any]) -> RenderableType:
     t = Table(title=f"Burst drill: {b['factor']:g}x for {b['duration_s']:g} s", title_justify="left")
     outcomes = b["outcomes"].values()
     # a router never answers "unknown", another server never "local"/"cloud": show the columns that happened
-    served = [k for k in ("local_on_time", "local_late", "cloud", "unknown_on_time", "unknown_late")
-              if any(o[k] for o in outcomes)] or ["local_on_time"]  # fmt: skip
+    served = [
+        k
+        for k in ("local_on_time", "local_late", "cloud", "unknown_on_time", "unknown_late")
+        if any(o[k] for o in outcomes)
+    ] or ["local_on_time"]
     for c in ("phase", "arrivals", *(k.replace("_", " ") for k in served), "rejected", "failed"):
         t.add_column(c, justify="left" if c == "phase" else "right")
     for phase in ("before", "burst", "after"):
@@ -126,10 +141,13 @@ def burst_view(b: dict[str, Any]) -> RenderableType:
         f"sustainable rate {b['base_rate']:.3g}/s: {b['base_rate_reason']}",
         f"burst at {b['burst_rate']:.3g}/s: {b['arrivals']['burst']} arrivals, {b['excess']:.0f} above the "
         f"{b['expected_at_base_rate']:.0f} the sustainable rate brings; late = TTFT over {b['ttft_target_ms']:g} ms",
-        (f"TTFT recovered {b['recovery_s']:.1f} s after the burst ended" if b["recovered"]
-         else f"TTFT not back under {b['ttft_target_ms']:g} ms within {b['after_s']:g} s after the burst")
+        (
+            f"TTFT recovered {b['recovery_s']:.1f} s after the burst ended"
+            if b["recovered"]
+            else f"TTFT not back under {b['ttft_target_ms']:g} ms within {b['after_s']:g} s after the burst"
+        )
         + f" (p99 of the next {b['rolling_window_s']:.1f} s of arrivals)",
-    ]  # fmt: skip
+    ]
     return Group(t, *(Text(line) for line in lines))
 
 
@@ -144,9 +162,11 @@ def compare_table(c: Comparison, baseline_name: str) -> Table:
             change = f"{ch.change * 100:+.1f} pt"
         else:
             change = f"{ch.change:+.1%}"
-        mark = Text("REGRESSION", style="bold red") if ch.regression else Text(
-            ch.direction, style="green" if ch.direction == "better" else ""
-        )  # fmt: skip
+        mark = (
+            Text("REGRESSION", style="bold red")
+            if ch.regression
+            else Text(ch.direction, style="green" if ch.direction == "better" else "")
+        )
         fmt = (lambda v: "-" if v is None else f"{v:.1%}") if ch.figure == "success rate" else _num
         t.add_row(ch.level, ch.figure, fmt(ch.baseline), fmt(ch.current), change, mark)
     return t

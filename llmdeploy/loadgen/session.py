@@ -49,10 +49,19 @@ class BenchConfig:
     def load_dict(self) -> dict[str, Any]:
         """What `--compare` needs to run the same load again."""
         t = self.target
-        return {"mode": self.mode, "levels": self.levels, "duration_s": self.stop.duration_s,
-                "requests": self.stop.requests, "prompts": self.workload.describe(), "stream": t.stream,
-                "ignore_eos": t.ignore_eos, "timeout_s": t.timeout_s, "warmup": self.warmup, "seed": self.seed,
-                "max_inflight": self.max_inflight}  # fmt: skip
+        return {
+            "mode": self.mode,
+            "levels": self.levels,
+            "duration_s": self.stop.duration_s,
+            "requests": self.stop.requests,
+            "prompts": self.workload.describe(),
+            "stream": t.stream,
+            "ignore_eos": t.ignore_eos,
+            "timeout_s": t.timeout_s,
+            "warmup": self.warmup,
+            "seed": self.seed,
+            "max_inflight": self.max_inflight,
+        }
 
 
 @dataclass
@@ -175,24 +184,49 @@ class Session:
         )
 
 
-def burst_report(results: list[RequestResult], base: drill.BaseRate, plan: BurstPlan, ttft_target_ms: float,
-                 burst_start_s: float, burst_end_s: float, watch_end_s: float) -> dict[str, Any]:  # fmt: skip
+def burst_report(
+    results: list[RequestResult],
+    base: drill.BaseRate,
+    plan: BurstPlan,
+    ttft_target_ms: float,
+    burst_start_s: float,
+    burst_end_s: float,
+    watch_end_s: float,
+) -> dict[str, Any]:
     window = min(drill.rolling_window_s(base.rate), plan.after_s)
     by_phase = {p: [r for r in results if r.phase == p] for p in ("before", "burst", "after")}
     expected = base.rate * plan.duration_s
     recovery = drill.recovery_time(results, burst_end_s, watch_end_s, ttft_target_ms, window)
     return {
-        "factor": plan.factor, "duration_s": plan.duration_s, "before_s": plan.before_s, "after_s": plan.after_s,
-        "base_rate": base.rate, "base_rate_reason": base.reason, "burst_rate": base.rate * plan.factor,
-        "burst_start_s": burst_start_s, "burst_end_s": burst_end_s, "ttft_target_ms": ttft_target_ms,
+        "factor": plan.factor,
+        "duration_s": plan.duration_s,
+        "before_s": plan.before_s,
+        "after_s": plan.after_s,
+        "base_rate": base.rate,
+        "base_rate_reason": base.reason,
+        "burst_rate": base.rate * plan.factor,
+        "burst_start_s": burst_start_s,
+        "burst_end_s": burst_end_s,
+        "ttft_target_ms": ttft_target_ms,
         "arrivals": {p: len(rs) for p, rs in by_phase.items()},
-        "expected_at_base_rate": expected, "excess": len(by_phase["burst"]) - expected,
+        "expected_at_base_rate": expected,
+        "excess": len(by_phase["burst"]) - expected,
         "outcomes": {p: drill.count_outcomes(rs, ttft_target_ms) for p, rs in by_phase.items()},
         "rejected_by_status": {p: _statuses(rs) for p, rs in by_phase.items()},
-        "recovery_s": recovery, "recovered": recovery is not None, "rolling_window_s": window,
-        "timeline": [[round(r.arrival_s, 4), None if r.ttft_s is None else round(r.ttft_s * 1000, 2), r.backend,
-                      r.ok, r.phase] for r in results],
-    }  # fmt: skip
+        "recovery_s": recovery,
+        "recovered": recovery is not None,
+        "rolling_window_s": window,
+        "timeline": [
+            [
+                round(r.arrival_s, 4),
+                None if r.ttft_s is None else round(r.ttft_s * 1000, 2),
+                r.backend,
+                r.ok,
+                r.phase,
+            ]
+            for r in results
+        ],
+    }
 
 
 def _statuses(results: list[RequestResult]) -> dict[str, int]:

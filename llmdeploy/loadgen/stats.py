@@ -127,6 +127,11 @@ def _by_kind(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
         rs = [r for r in results if r.kind == kind]
         ok = [r for r in rs if r.ok]
         ttft, e2e = Quantiles.of_seconds(r.ttft_s for r in ok), Quantiles.of_seconds(r.e2e_s for r in ok)
-        out[kind] = {"requests": len(rs), "ok": len(ok), "ttft_p50_ms": ttft.p50, "ttft_p99_ms": ttft.p99,
-                     "e2e_p99_ms": e2e.p99}  # fmt: skip
+        out[kind] = {
+            "requests": len(rs),
+            "ok": len(ok),
+            "ttft_p50_ms": ttft.p50,
+            "ttft_p99_ms": ttft.p99,
+            "e2e_p99_ms": e2e.p99,
+        }
     return out

@@ -61,8 +61,12 @@ class Verdict:
 
     def to_dict(self) -> dict:
         point = lambda p: None if p is None else {"mode": p.mode, "value": p.value}  # noqa: E731
-        return {"asked": point(self.asked), "asked_meets_sla": self.asked_meets_sla,
-                "highest_passing": point(self.highest_passing), "summary": self.summary}  # fmt: skip
+        return {
+            "asked": point(self.asked),
+            "asked_meets_sla": self.asked_meets_sla,
+            "highest_passing": point(self.highest_passing),
+            "summary": self.summary,
+        }
 
 
 def judge(levels: Sequence[LevelSummary], sla: SLA) -> Verdict:

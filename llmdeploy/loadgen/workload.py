@@ -80,11 +80,20 @@ class Workload:
 
     def describe(self) -> dict[str, Any]:
         if self.dataset:
-            return {"kind": "dataset", "dataset": self.dataset_path, "requests_in_file": len(self.dataset),
-                    "output_len": self.output_len}  # fmt: skip
+            return {
+                "kind": "dataset",
+                "dataset": self.dataset_path,
+                "requests_in_file": len(self.dataset),
+                "output_len": self.output_len,
+            }
         if self.mix is not None:
-            return {"kind": "mix", "long_len": self.mix.long_len, "short_len": self.mix.short_len,
-                    "long_share": self.mix.long_share, "output_len": self.output_len}  # fmt: skip
+            return {
+                "kind": "mix",
+                "long_len": self.mix.long_len,
+                "short_len": self.mix.short_len,
+                "long_share": self.mix.long_share,
+                "output_len": self.output_len,
+            }
         return {"kind": "synthetic", "prompt_len": self.prompt_len, "output_len": self.output_len}
 
 

@@ -140,8 +140,11 @@ async def answer_unexpected(send: Any, started: bool, exc: BaseException, where:
     if started:
         return  # mid-response: nothing more to say; the server closes the connection
     body = json.dumps(server_error().body()).encode()
-    await send({
-        "type": "http.response.start", "status": 500,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-    })  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 500,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

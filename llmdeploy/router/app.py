@@ -360,9 +360,14 @@ class Router:
             revisions = self.pool.revision_states(now)
             gate = capability.gate(revisions, facts, cloud, s.cloud.capabilities)
             d = decide(
-                revisions, facts, s.limits, cloud, lambda t=now: self.burst.try_take(t), gate=gate,
+                revisions,
+                facts,
+                s.limits,
+                cloud,
+                lambda t=now: self.burst.try_take(t),
+                gate=gate,
                 replica_choice=s.replica_choice,
-            )  # fmt: skip
+            )
             if d.action != WAIT or now >= deadline:
                 return replace(d, capability=gate.label)
             await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - now)))
@@ -418,10 +423,16 @@ class Router:
             m.cloud_tokens.labels("in").inc(ex.prompt_tokens or 0)
             m.cloud_tokens.labels("out").inc(rec.completion_tokens or 0)
         self.observer.record(
-            backend, revision, status, ex.failed_after_commit is not None, ex.ttft_s, now - ex.started,
-            Tokens(ex.prompt_tokens or 0, rec.completion_tokens or 0), rec.key,
+            backend,
+            revision,
+            status,
+            ex.failed_after_commit is not None,
+            ex.ttft_s,
+            now - ex.started,
+            Tokens(ex.prompt_tokens or 0, rec.completion_tokens or 0),
+            rec.key,
             Prices.from_spec(getattr(self.settings.spec, "cost", None)),
-        )  # fmt: skip
+        )
         if backend == LOCAL and revision is not None and status in (200, 499):
             ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
             self.windows.record(revision, ex.failed_after_commit is not None, ttft_ms, now)

@@ -127,22 +127,39 @@ def dashboard_state(router, feed: dict[str, Any] | None) -> dict[str, Any]:
     for r in snap["revisions"]:
         row = rows.get(r["revision"], {})
         stats = obs.series.revision_stats(now, window_s, r["revision"])
-        revisions.append({
-            "revision": r["revision"], "role": r["role"], "percent": r["percent"], "ready": r["ready"],
-            "state": row.get("state"), "model": row.get("model"), "window": r["window"], **stats,
-        })  # fmt: skip
+        revisions.append(
+            {
+                "revision": r["revision"],
+                "role": r["role"],
+                "percent": r["percent"],
+                "ready": r["ready"],
+                "state": row.get("state"),
+                "model": row.get("model"),
+                "window": r["window"],
+                **stats,
+            }
+        )
     control = {(x["revision"], x["replica"]): x for x in feed.get("replicas", [])}
     replicas = []
     for r in snap["revisions"]:
         for rep in r["replicas"]:
             c = control.get((r["revision"], rep["replica"]), {})
             load = rep.get("load") or {}
-            replicas.append({
-                "revision": r["revision"], "replica": rep["replica"], "usable": rep["usable"],
-                "breaker": rep["breaker"], "phase": c.get("phase"), "pid": c.get("pid"),
-                "restarts": c.get("restarts"), "kv_usage": load.get("kv_usage"), "waiting": load.get("waiting"),
-                "running": load.get("running"), "resources": rep.get("resources"),
-            })  # fmt: skip
+            replicas.append(
+                {
+                    "revision": r["revision"],
+                    "replica": rep["replica"],
+                    "usable": rep["usable"],
+                    "breaker": rep["breaker"],
+                    "phase": c.get("phase"),
+                    "pid": c.get("pid"),
+                    "restarts": c.get("restarts"),
+                    "kv_usage": load.get("kv_usage"),
+                    "waiting": load.get("waiting"),
+                    "running": load.get("running"),
+                    "resources": rep.get("resources"),
+                }
+            )
     return {
         "time": now,
         "deployment": feed.get("name"),

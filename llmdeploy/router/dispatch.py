@@ -287,8 +287,10 @@ class Dispatcher:
             raise
         log.warning(
             "request %s: local stream failed after %d chunks (%s); the cloud continues it",
-            call.request_id, ex.content_events, ex.failed_after_commit,
-        )  # fmt: skip
+            call.request_id,
+            ex.content_events,
+            ex.failed_after_commit,
+        )
         ex.continued = CLOUD
 
         def finish(ok: bool | None) -> None:  # None: the client left, no verdict on the cloud

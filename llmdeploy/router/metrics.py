@@ -104,9 +104,11 @@ class RouterMetrics:
 
         # tokens and money (llmdeploy/policies/cost.py), the split, the control plane's events, resources
         self.tokens = Counter(
-            f"{p}tokens", "Tokens served, by backend and direction (in: prompt, out: completion)",
-            ["backend", "direction"], registry=r,
-        )  # fmt: skip
+            f"{p}tokens",
+            "Tokens served, by backend and direction (in: prompt, out: completion)",
+            ["backend", "direction"],
+            registry=r,
+        )
         self.key_tokens = Counter(
             f"{p}key_tokens", "Tokens per API key name and direction", ["key", "direction"], registry=r
         )
@@ -114,17 +116,24 @@ class RouterMetrics:
             f"{p}cloud_cost", "Money spent at the cloud at the spec's cost: prices", ["currency"], registry=r
         )
         self.tpot = Histogram(
-            f"{p}tpot_seconds", "Time per output token after the first (answers of 2+ tokens with a TTFT)",
-            ["backend", "revision"], buckets=TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
+            f"{p}tpot_seconds",
+            "Time per output token after the first (answers of 2+ tokens with a TTFT)",
+            ["backend", "revision"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.traffic_percent = Gauge(
-            f"{p}traffic_percent", "Share of traffic each listed revision takes (the canary split), 0..100",
-            ["revision", "role"], registry=r,
-        )  # fmt: skip
+            f"{p}traffic_percent",
+            "Share of traffic each listed revision takes (the canary split), 0..100",
+            ["revision", "role"],
+            registry=r,
+        )
         self.rollbacks = Counter(
-            f"{p}rollbacks", "Candidate rollbacks and re-deploys of an earlier revision (manual or auto)",
-            ["trigger"], registry=r,
-        )  # fmt: skip
+            f"{p}rollbacks",
+            "Candidate rollbacks and re-deploys of an earlier revision (manual or auto)",
+            ["trigger"],
+            registry=r,
+        )
         self.engine_restarts = Counter(
             f"{p}engine_restarts",
             "Engine crashes the supervisor restarts, by revision",
@@ -132,9 +141,11 @@ class RouterMetrics:
             registry=r,
         )
         self.control_events = Counter(
-            f"{p}control_events", "Control-plane events (apply, canary, promote, rollback, engine-crash...)",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            f"{p}control_events",
+            "Control-plane events (apply, canary, promote, rollback, engine-crash...)",
+            ["kind"],
+            registry=r,
+        )
         for trigger in ("manual", "auto"):
             self.rollbacks.labels(trigger)
         for backend in ("local", "cloud"):
@@ -144,9 +155,11 @@ class RouterMetrics:
             attr: Gauge(f"{p}engine_{name}", doc, engine, registry=r) for name, attr, doc in ENGINE_RESOURCES
         }
         self.host_memory = Gauge(
-            f"{p}host_memory_bytes", "Memory of the machine (total, available), as the router reads it",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            f"{p}host_memory_bytes",
+            "Memory of the machine (total, available), as the router reads it",
+            ["kind"],
+            registry=r,
+        )
 
     def set_engine_resources(self, rows: list[tuple[str, str, object]]) -> None:
         """(revision, replica, ResourceUsage | None) for every listed engine; engines no longer listed vanish."""

@@ -36,10 +36,24 @@ def build_snapshot(router, now: float) -> dict[str, Any]:
     for rev in router.pool.revision_states(now):
         w = router.windows.stats(rev.revision, now)
         p50 = router.observer.series.revision_stats(time.time(), w.window_s, rev.revision)["ttft_p50_ms"]
-        window = {"requests": w.requests, "errors": w.errors, "error_rate": w.error_rate,
-                  "ttft_p50_ms": p50, "ttft_p99_ms": w.ttft_p99_ms, "window_s": w.window_s}  # fmt: skip
-        revisions.append({"revision": rev.revision, "role": rev.role, "percent": rev.percent, "ready": rev.ready,
-                          "window": window, "replicas": [_replica(router, r) for r in rev.replicas]})  # fmt: skip
+        window = {
+            "requests": w.requests,
+            "errors": w.errors,
+            "error_rate": w.error_rate,
+            "ttft_p50_ms": p50,
+            "ttft_p99_ms": w.ttft_p99_ms,
+            "window_s": w.window_s,
+        }
+        revisions.append(
+            {
+                "revision": rev.revision,
+                "role": rev.role,
+                "percent": rev.percent,
+                "ready": rev.ready,
+                "window": window,
+                "replicas": [_replica(router, r) for r in rev.replicas],
+            }
+        )
     requests = _samples(router.metrics.requests)
     served = {b: int(sum(v for lbl, v in requests if lbl.get("backend") == b)) for b in (LOCAL, CLOUD)}
     total = sum(served.values())

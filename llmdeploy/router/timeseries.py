@@ -111,14 +111,16 @@ class TrafficSeries:
         t = first
         while t <= now:
             b = by_start.get(t) or Bucket(t)
-            out.append({
-                "t": t,
-                **{f"{k}_requests": b.requests.get(k, 0) for k in BACKENDS},
-                **{f"{k}_tokens": b.tokens_in.get(k, 0) + b.tokens_out.get(k, 0) for k in BACKENDS},
-                "errors": sum(b.errors.values()),
-                "ttft_p50_ms": {str(r): percentile(v, 0.5) for r, v in b.rev_ttft_ms.items()},
-                "ttft_p99_ms": {str(r): percentile(v, 0.99) for r, v in b.rev_ttft_ms.items()},
-            })  # fmt: skip
+            out.append(
+                {
+                    "t": t,
+                    **{f"{k}_requests": b.requests.get(k, 0) for k in BACKENDS},
+                    **{f"{k}_tokens": b.tokens_in.get(k, 0) + b.tokens_out.get(k, 0) for k in BACKENDS},
+                    "errors": sum(b.errors.values()),
+                    "ttft_p50_ms": {str(r): percentile(v, 0.5) for r, v in b.rev_ttft_ms.items()},
+                    "ttft_p99_ms": {str(r): percentile(v, 0.99) for r, v in b.rev_ttft_ms.items()},
+                }
+            )
             t += FINE_S
         return out
 

@@ -77,10 +77,15 @@ def test_invalid_file_before_anything_creates_nothing(rig):
 def test_apply_starts_the_deployment_and_serves_chat(rig):
     # two applies at once: the lock serialises them; one starts everything, the other then finds it unchanged
     procs = [
-        subprocess.Popen([LLMDEPLOY, "apply", str(rig["files"]["v1"])], env=rig["cli"].env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [LLMDEPLOY, "apply", str(rig["files"]["v1"])],
+            env=rig["cli"].env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     outs = [(p.communicate(timeout=240), p.returncode) for p in procs]
     assert [code for _, code in outs] == [0, 0], outs
     (out, _), (other, other_err) = sorted((o for o, _ in outs), key=lambda o: "unchanged" in o[0])
@@ -198,9 +203,10 @@ def test_pin_header_picks_a_revision(rig):
         )
         assert {x.headers["x-llmdeploy-revision"] for x in pinned} == {rev}
     unknown = httpx.post(
-        f"{rig['url']}/v1/completions", json={"model": ALIAS, "prompt": "hi", "max_tokens": 1},
+        f"{rig['url']}/v1/completions",
+        json={"model": ALIAS, "prompt": "hi", "max_tokens": 1},
         headers={**headers(rig), "x-llmdeploy-revision": "99"},
-    )  # fmt: skip
+    )
     assert 400 <= unknown.status_code < 500 and "error" in unknown.json()
 
 

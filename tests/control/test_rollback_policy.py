@@ -23,9 +23,15 @@ def test_error_rate_over_the_limit_rolls_back_with_the_numbers():
     assert d.rollback
     assert "error rate 7.5% > max_error_rate 5.0%" in d.reason and "40 requests" in d.reason
     assert d.numbers() == {
-        "requests": 40, "errors": 3, "error_rate": 0.075, "ttft_p99_ms": 100.0, "window_s": 60.0,
-        "max_error_rate": 0.05, "max_ttft_p99_ms": 3000, "min_requests": 20,
-    }  # fmt: skip
+        "requests": 40,
+        "errors": 3,
+        "error_rate": 0.075,
+        "ttft_p99_ms": 100.0,
+        "window_s": 60.0,
+        "max_error_rate": 0.05,
+        "max_ttft_p99_ms": 3000,
+        "min_requests": 20,
+    }
 
 
 def test_error_rate_at_the_limit_is_allowed():

@@ -43,21 +43,33 @@ def rig(tmp_path_factory, tiny_llama):
     cloud = FakeCloud(root, expected_key=CLOUD_SECRET).start()
     cli = Cli(root / "home", env=ENV)
     v1 = base_spec(
-        NAME, tiny_llama,
+        NAME,
+        tiny_llama,
         parallel={"replicas": 2},
         auth={"api_key_required": True, "keys": [{"name": "app", "key_env": "SUP_APP_KEY"}]},
-        cloud={"enabled": True, "provider": "openai-compatible", "base_url": f"{cloud.base}/v1",
-               "api_key_env": "SUP_CLOUD_KEY", "model": "ernie-test", "max_retries": 1, "timeout_s": 10},
-    )  # fmt: skip
+        cloud={
+            "enabled": True,
+            "provider": "openai-compatible",
+            "base_url": f"{cloud.base}/v1",
+            "api_key_env": "SUP_CLOUD_KEY",
+            "model": "ernie-test",
+            "max_retries": 1,
+            "timeout_s": 10,
+        },
+    )
     broken_model = root / "broken-model"
     shutil.copytree(tiny_llama, broken_model)
     (broken_model / "model.safetensors").write_bytes(b"\x00" * 64)  # passes validate, fails to load
     broken = {**v1, "model": {**v1["model"], "path": str(broken_model)}, "parallel": {"replicas": 1}}
     failing = {
-        **v1, "parallel": {"replicas": 1},
+        **v1,
+        "parallel": {"replicas": 1},
         # the candidate "breaks its SLA" on every request: a TTFT limit no engine can meet
-        "rollout": {"canary_percent": 50, "auto_rollback": {"max_ttft_p99_ms": 0.001, "min_requests": 10, "window_s": 30}},
-    }  # fmt: skip
+        "rollout": {
+            "canary_percent": 50,
+            "auto_rollback": {"max_ttft_p99_ms": 0.001, "min_requests": 10, "window_s": 30},
+        },
+    }
     files = {
         "v1": write_spec(root / "v1.yaml", v1),
         "broken": write_spec(root / "broken.yaml", broken),
@@ -173,8 +185,13 @@ def test_foreground_runs_attached_and_drains_on_sigterm(rig, tiny_llama):
     spec = base_spec("fg", tiny_llama)
     path = write_spec(rig["root"] / "fg.yaml", spec)
     port = int(spec["listen"].split(":")[1])
-    proc = subprocess.Popen([LLMDEPLOY, "apply", "--foreground", str(path)], env=rig["cli"].env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [LLMDEPLOY, "apply", "--foreground", str(path)],
+        env=rig["cli"].env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: (rig["cli"].home / "fg" / "admin.sock").exists(), 60, what="the foreground daemon")
         wait_for(

@@ -20,8 +20,22 @@ EXAMPLE_URL = "http://127.0.0.1:8000/v1"
 def smollm2_url(tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "llmdeploy.engine", "--model", "builtin:smollm2-135m-instruct", "--served-alias", "chat-model-v1",
-            "--port", str(port), "--max-model-len", "1024", "--kv-cache-gb", "0.1", "--max-num-seqs", "4"]  # fmt: skip
+    args = [
+        "-m",
+        "llmdeploy.engine",
+        "--model",
+        "builtin:smollm2-135m-instruct",
+        "--served-alias",
+        "chat-model-v1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        "--kv-cache-gb",
+        "0.1",
+        "--max-num-seqs",
+        "4",
+    ]
     with ServerProcess(
         args, f"{url}/health", tmp_path_factory.mktemp("readme") / "engine.log", timeout_s=600
     ):

@@ -17,8 +17,22 @@ CLOUD_KEY = "bce-v3/ALTAK-bench-cloud-secret"
 BENCH_KEY = "sk-bench-0123456789abcdef-secret"
 TIGHT_KEY = "sk-bench-tight-fedcba9876543210"  # its own key name, limited to 1 request per minute
 ENV = {"BENCH_KEY": BENCH_KEY, "TIGHT_KEY": TIGHT_KEY, "CLOUD_KEY": CLOUD_KEY}
-ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-               "--kv-cache-gb", "0.01", "--device", "cpu", "--dtype", "float32", "--seed", "0"]  # fmt: skip
+ENGINE_ARGS = [
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "256",
+    "--kv-cache-gb",
+    "0.01",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+]
 
 
 @dataclass
@@ -33,8 +47,17 @@ class Deployment:
 def bench_engine(tiny_llama, tmp_path_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "llmdeploy.engine", "--model", str(tiny_llama), "--served-alias", ALIAS, "--port", str(port),
-            *ENGINE_ARGS]  # fmt: skip
+    args = [
+        "-m",
+        "llmdeploy.engine",
+        "--model",
+        str(tiny_llama),
+        "--served-alias",
+        ALIAS,
+        "--port",
+        str(port),
+        *ENGINE_ARGS,
+    ]
     proc = ServerProcess(
         args, f"{url}/health", tmp_path_factory.mktemp("bench-engine") / "engine.log"
     ).start()

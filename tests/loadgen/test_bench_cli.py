@@ -107,8 +107,20 @@ def test_no_stream_and_a_dataset(cloud, tmp_path):
         '{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}\n'
     )
     out = tmp_path / "plain.json"
-    r = bench(*target(cloud), "-c", "2", "-n", "4", "--dataset", data, "--no-stream", "--ttft-p99-ms", "1000",
-              "--json", out)  # fmt: skip
+    r = bench(
+        *target(cloud),
+        "-c",
+        "2",
+        "-n",
+        "4",
+        "--dataset",
+        data,
+        "--no-stream",
+        "--ttft-p99-ms",
+        "1000",
+        "--json",
+        out,
+    )
     assert r.exit_code == 0, r.output
     assert "no first token" in r.output
     d = json.loads(out.read_text())
@@ -130,8 +142,19 @@ def test_no_stream_and_a_dataset(cloud, tmp_path):
 def test_open_loop_burst_on_a_server_without_backends(cloud, tmp_path):
     """Rate levels, then a 3x burst from the highest one that met the SLA; outcomes are "unknown" on time/late."""
     out = tmp_path / "burst.json"
-    r = bench(*target(cloud), "--rate", "2,4", "-n", "4", "--ttft-p99-ms", "5000", "--burst", "3x:1s:1s",
-              "--json", out)  # fmt: skip
+    r = bench(
+        *target(cloud),
+        "--rate",
+        "2,4",
+        "-n",
+        "4",
+        "--ttft-p99-ms",
+        "5000",
+        "--burst",
+        "3x:1s:1s",
+        "--json",
+        out,
+    )
     assert r.exit_code == 0, r.output
     b = json.loads(out.read_text())["burst"]
     assert (b["base_rate"], b["burst_rate"]) == (4.0, 12.0) and "(4/s)" in b["base_rate_reason"]
@@ -167,9 +190,28 @@ def tls_cloud(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     fc = FakeCloud(d, tls=(str(cert), str(key))).start()
     yield fc, cert
     fc.stop()
@@ -191,18 +233,32 @@ def test_unreachable_server_is_an_error_not_a_crash():
 def test_installed_script_help_and_invalid_input():
     h = subprocess.run([SCRIPT, "bench", "--help"], capture_output=True, text=True, timeout=120)
     assert h.returncode == 0 and "--burst" in h.stdout and "--mix-ratio" in h.stdout
-    p = subprocess.run([SCRIPT, "bench", "--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "0,x"],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [SCRIPT, "bench", "--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "0,x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stderr.startswith("error: --concurrency: ") and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize(
     "args",
-    [["--rate", "1", "--concurrency", "2"], ["--dataset", "no.jsonl"], ["--api-key-env", "SURELY_UNSET_VAR_42"],
-     ["--burst", "3x:10s"], ["--chart", "out.gif"], ["--sla-from", "missing.yaml"], ["--compare", "missing.json"],
-     ["--duration", "forever"], ["--mix", "1500"], ["--json", "no/such/dir/x.json"], ["--max-inflight", "0"],
-     ["--ca-file", "missing.pem"]],
-)  # fmt: skip
+    [
+        ["--rate", "1", "--concurrency", "2"],
+        ["--dataset", "no.jsonl"],
+        ["--api-key-env", "SURELY_UNSET_VAR_42"],
+        ["--burst", "3x:10s"],
+        ["--chart", "out.gif"],
+        ["--sla-from", "missing.yaml"],
+        ["--compare", "missing.json"],
+        ["--duration", "forever"],
+        ["--mix", "1500"],
+        ["--json", "no/such/dir/x.json"],
+        ["--max-inflight", "0"],
+        ["--ca-file", "missing.pem"],
+    ],
+)
 def test_invalid_input_exits_2_before_sending_anything(args, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = bench("--url", "http://127.0.0.1:9", "--model", "m", *args)

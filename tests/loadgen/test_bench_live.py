@@ -20,13 +20,47 @@ pytestmark = pytest.mark.slow
 OUT = 6  # tokens per local answer (--ignore-eos); the fake cloud answers CLOUD_REPLY_TOKENS (< OUT)
 SMALL = ["--prompt-len", "16", "--output-len", str(OUT), "--ignore-eos", "--warmup", "0", "--timeout", "120s"]
 LEVEL_FIELDS = {
-    "mode", "value", "elapsed_s", "requests", "ok", "success_rate", "errors", "requests_per_s", "output_tokens_per_s",
-    "output_tokens", "mean_prompt_tokens", "mean_output_tokens", "ttft_ms", "tpot_ms", "e2e_ms", "backends", "share",
-    "token_source", "by_kind", "arrival_rate", "server", "meets_sla", "sla_misses",
-}  # fmt: skip
+    "mode",
+    "value",
+    "elapsed_s",
+    "requests",
+    "ok",
+    "success_rate",
+    "errors",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "output_tokens",
+    "mean_prompt_tokens",
+    "mean_output_tokens",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "backends",
+    "share",
+    "token_source",
+    "by_kind",
+    "arrival_rate",
+    "server",
+    "meets_sla",
+    "sla_misses",
+}
 QUANTILES = {"p50", "p90", "p99", "mean", "max", "count"}
-REPORT_FIELDS = {"tool", "format", "version", "started_at", "target", "load", "sla", "levels", "verdict", "burst",
-                 "compare", "metrics", "notes", "exit_code"}  # fmt: skip
+REPORT_FIELDS = {
+    "tool",
+    "format",
+    "version",
+    "started_at",
+    "target",
+    "load",
+    "sla",
+    "levels",
+    "verdict",
+    "burst",
+    "compare",
+    "metrics",
+    "notes",
+    "exit_code",
+}
 
 
 def bench(*args: str | Path):
@@ -43,15 +77,33 @@ def report(path: Path) -> dict:
 
 def test_router_run_has_every_field_a_png_and_meets_a_loose_sla(deployment, tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"
-    r = bench("--sla-from", deployment.spec_path, "--concurrency", "1,2", "--requests", "3", *SMALL,
-              "--metrics-url", f"{deployment.router_url}/metrics", "--metrics-url", f"{deployment.engine_url}/metrics",
-              "--json", out, "--chart", png)  # fmt: skip
+    r = bench(
+        "--sla-from",
+        deployment.spec_path,
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "3",
+        *SMALL,
+        "--metrics-url",
+        f"{deployment.router_url}/metrics",
+        "--metrics-url",
+        f"{deployment.engine_url}/metrics",
+        "--json",
+        out,
+        "--chart",
+        png,
+    )
     assert r.exit_code == 0, r.output
     assert "verdict:" in r.output and "concurrency 2 meets the SLA" in r.output
     d = report(out)
     assert set(d) == REPORT_FIELDS and d["exit_code"] == 0
-    assert d["target"] == {"url": deployment.router_url, "api_base": f"{deployment.router_url}/v1", "model": ALIAS,
-                           "api_key_env": "BENCH_KEY"}  # fmt: skip
+    assert d["target"] == {
+        "url": deployment.router_url,
+        "api_base": f"{deployment.router_url}/v1",
+        "model": ALIAS,
+        "api_key_env": "BENCH_KEY",
+    }
     assert d["sla"]["ttft_p99_ms"] == 60000 and d["sla"]["source"] == str(deployment.spec_path)
     assert [lv["value"] for lv in d["levels"]] == [1, 2]
     for lv in d["levels"]:
@@ -95,8 +147,21 @@ class _Tags(HTMLParser):
 
 def test_tight_sla_exits_1_and_draws_html(deployment, tmp_path):
     out, page = tmp_path / "tight.json", tmp_path / "tight.html"
-    r = bench("--sla-from", deployment.spec_path, "--ttft-p99-ms", "0.01", "-c", "1", "-n", "1", *SMALL,
-              "--json", out, "--chart", page)  # fmt: skip
+    r = bench(
+        "--sla-from",
+        deployment.spec_path,
+        "--ttft-p99-ms",
+        "0.01",
+        "-c",
+        "1",
+        "-n",
+        "1",
+        *SMALL,
+        "--json",
+        out,
+        "--chart",
+        page,
+    )
     assert r.exit_code == 1, r.output
     d = report(out)
     assert (
@@ -151,8 +216,21 @@ def test_burst_splits_between_local_and_cloud(deployment, tmp_path):
     """local_rps 1 in the YAML: at 6x a 1/s rate the token bucket sends the excess to the fake cloud."""
     out = tmp_path / "burst.json"
     before = deployment.cloud.stats()["requests"]
-    r = bench("--sla-from", deployment.spec_path, "--rate", "1", "-n", "2", *SMALL, "--burst", "6x:2s:1s",
-              "--json", out, "--chart", tmp_path / "burst.png")  # fmt: skip
+    r = bench(
+        "--sla-from",
+        deployment.spec_path,
+        "--rate",
+        "1",
+        "-n",
+        "2",
+        *SMALL,
+        "--burst",
+        "6x:2s:1s",
+        "--json",
+        out,
+        "--chart",
+        tmp_path / "burst.png",
+    )
     assert r.exit_code == 0, r.output
     assert "Burst drill: 6x for 2 s" in r.output
     b = report(out)["burst"]
@@ -172,8 +250,23 @@ def test_burst_splits_between_local_and_cloud(deployment, tmp_path):
 def test_burst_counts_429_rejections(deployment, tmp_path):
     """The `tight` key may send one request a minute: the preflight takes it, everything after is a 429."""
     out = tmp_path / "rejected.json"
-    r = bench("--sla-from", deployment.spec_path, "--api-key-env", "TIGHT_KEY", "--rate", "2", "-n", "2", *SMALL,
-              "--warmup", "0", "--burst", "2x:1s:1s", "--json", out)  # fmt: skip
+    r = bench(
+        "--sla-from",
+        deployment.spec_path,
+        "--api-key-env",
+        "TIGHT_KEY",
+        "--rate",
+        "2",
+        "-n",
+        "2",
+        *SMALL,
+        "--warmup",
+        "0",
+        "--burst",
+        "2x:1s:1s",
+        "--json",
+        out,
+    )
     assert r.exit_code == 1, r.output
     d = report(out)
     assert list(d["levels"][0]["errors"]) == ["http_429:rate_limit_exceeded"] and d["levels"][0]["ok"] == 0
@@ -190,8 +283,26 @@ def test_burst_counts_429_rejections(deployment, tmp_path):
 def test_engine_alone_with_a_mix(deployment, tmp_path):
     """No router: no x-llmdeploy-backend header ("unknown"); the engine's own /metrics has KV and queue."""
     out = tmp_path / "engine.json"
-    r = bench("--url", deployment.engine_url, "--model", ALIAS, "--rate", "4", "-n", "4", "--mix", "40:4",
-              "--mix-ratio", "1:1", "--output-len", "2", "--warmup", "0", "--json", out)  # fmt: skip
+    r = bench(
+        "--url",
+        deployment.engine_url,
+        "--model",
+        ALIAS,
+        "--rate",
+        "4",
+        "-n",
+        "4",
+        "--mix",
+        "40:4",
+        "--mix-ratio",
+        "1:1",
+        "--output-len",
+        "2",
+        "--warmup",
+        "0",
+        "--json",
+        out,
+    )
     assert r.exit_code == 0, r.output
     lv = report(out)["levels"][0]
     assert lv["backends"] == {"unknown": 4} and lv["server"]["kv_usage"] is not None
@@ -201,6 +312,21 @@ def test_engine_alone_with_a_mix(deployment, tmp_path):
 
 
 def test_wrong_key_stops_at_the_preflight(deployment):
-    r = CliRunner().invoke(app, ["bench", "--url", deployment.router_url, "--model", ALIAS, "--api-key-env", "WRONG",
-                                 "-c", "1", "-n", "1"], env={**ENV, "WRONG": "sk-not-a-key"})  # fmt: skip
+    r = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--url",
+            deployment.router_url,
+            "--model",
+            ALIAS,
+            "--api-key-env",
+            "WRONG",
+            "-c",
+            "1",
+            "-n",
+            "1",
+        ],
+        env={**ENV, "WRONG": "sk-not-a-key"},
+    )
     assert r.exit_code == 1 and "http_401" in r.output and "--api-key-env" in r.output

@@ -36,8 +36,15 @@ def test_each_request_lands_in_one_outcome():
     ]
     counts = count_outcomes(rs, 500)
     assert sum(counts.values()) == len(rs)
-    assert counts == {"local_on_time": 1, "local_late": 1, "cloud": 1, "unknown_on_time": 0, "unknown_late": 0,
-                      "rejected": 1, "failed": 1}  # fmt: skip
+    assert counts == {
+        "local_on_time": 1,
+        "local_late": 1,
+        "cloud": 1,
+        "unknown_on_time": 0,
+        "unknown_late": 0,
+        "rejected": 1,
+        "failed": 1,
+    }
 
 
 def test_sustainable_rate_is_the_highest_passing_rate_level():

@@ -63,10 +63,17 @@ def test_dataset_lines(tmp_path):
 
 @pytest.mark.parametrize(
     ("line", "message"),
-    [("{not json", "not JSON"), ("[1]", "JSON object"), ('{"prompt": "a", "messages": []}', "exactly one"),
-     ("{}", "exactly one"), ('{"prompt": ""}', "non-empty"), ('{"messages": [{"content": "x"}]}', "role"),
-     ('{"prompt": "a", "max_tokens": 0}', "max_tokens"), ('{"prompt": "a", "max_tokens": true}', "max_tokens")],
-)  # fmt: skip
+    [
+        ("{not json", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"prompt": "a", "messages": []}', "exactly one"),
+        ("{}", "exactly one"),
+        ('{"prompt": ""}', "non-empty"),
+        ('{"messages": [{"content": "x"}]}', "role"),
+        ('{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+        ('{"prompt": "a", "max_tokens": true}', "max_tokens"),
+    ],
+)
 def test_bad_dataset_lines_name_file_and_line(tmp_path, line, message):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "fine"}\n' + line + "\n")
@@ -86,8 +93,18 @@ def test_empty_or_missing_dataset(tmp_path):
 
 
 def test_reads_the_engines_and_the_routers_own_metric_names():
-    stats = EngineStats(running=3, waiting=5, kv_usage=0.42, free_blocks=10, total_blocks=20, prefix_cache_queries=0,
-                        prefix_cache_hits=0, num_preemptions=0, prompt_tokens_total=0, generation_tokens_total=0)  # fmt: skip
+    stats = EngineStats(
+        running=3,
+        waiting=5,
+        kv_usage=0.42,
+        free_blocks=10,
+        total_blocks=20,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        prompt_tokens_total=0,
+        generation_tokens_total=0,
+    )
     engine_text = ServerMetrics(lambda: stats, "m").render()[0].decode()
     assert read_gauges(engine_text) == {"kv_usage": 0.42, "waiting": 5, "running": 3}
     rm = RouterMetrics()
@@ -186,15 +203,28 @@ def test_defaults_and_flags():
 
 @pytest.mark.parametrize(
     ("kw", "message"),
-    [({}, "--url and --model"), ({"concurrency": "1", "rate": "2"}, "not both"), ({"duration": "1s", "requests": 3}, "not both"),
-     ({"concurrency": "0"}, "--concurrency"), ({"rate": "fast"}, "--rate"), ({"api_key_env": "UNSET_VAR"}, "UNSET_VAR is not set"),
-     ({"burst": "3x:5s"}, "--ttft-p99-ms"), ({"burst": "3x:5s", "ttft_p99_ms": 100, "stream": False}, "--no-stream"),
-     ({"burst": "3x", "ttft_p99_ms": 100}, "--burst"), ({"chart": Path("c.svg")}, ".png or .html"),
-     ({"json_out": Path("/nonexistent-dir/x.json")}, "does not exist"), ({"mix": "10:1", "prompt_len": 5}, "not both"),
-     ({"mix_ratio": "1:2"}, "--mix"), ({"tolerance": "lots"}, "--tolerance"), ({"ttft_p99_ms": -1}, "> 0"),
-     ({"sla_from": Path("/nonexistent.yaml")}, "--sla-from"), ({"compare": Path("/nonexistent.json")}, "--compare"),
-     ({"timeout": "soon"}, "--timeout"), ({"requests": 0}, "--requests")],
-)  # fmt: skip
+    [
+        ({}, "--url and --model"),
+        ({"concurrency": "1", "rate": "2"}, "not both"),
+        ({"duration": "1s", "requests": 3}, "not both"),
+        ({"concurrency": "0"}, "--concurrency"),
+        ({"rate": "fast"}, "--rate"),
+        ({"api_key_env": "UNSET_VAR"}, "UNSET_VAR is not set"),
+        ({"burst": "3x:5s"}, "--ttft-p99-ms"),
+        ({"burst": "3x:5s", "ttft_p99_ms": 100, "stream": False}, "--no-stream"),
+        ({"burst": "3x", "ttft_p99_ms": 100}, "--burst"),
+        ({"chart": Path("c.svg")}, ".png or .html"),
+        ({"json_out": Path("/nonexistent-dir/x.json")}, "does not exist"),
+        ({"mix": "10:1", "prompt_len": 5}, "not both"),
+        ({"mix_ratio": "1:2"}, "--mix"),
+        ({"tolerance": "lots"}, "--tolerance"),
+        ({"ttft_p99_ms": -1}, "> 0"),
+        ({"sla_from": Path("/nonexistent.yaml")}, "--sla-from"),
+        ({"compare": Path("/nonexistent.json")}, "--compare"),
+        ({"timeout": "soon"}, "--timeout"),
+        ({"requests": 0}, "--requests"),
+    ],
+)
 def test_invalid_input_is_a_config_error(kw, message):
     base = {} if "--url" in message else {"url": "http://h:1", "model": "m"}
     with pytest.raises(ConfigError, match=message):
@@ -203,8 +233,10 @@ def test_invalid_input_is_a_config_error(kw, message):
 
 def test_sla_and_target_from_a_deployment_yaml(tmp_path, tiny_llama):
     spec = tmp_path / "llmdeploy.yaml"
-    spec.write_text(f"model: {{path: {tiny_llama}, served_alias: chat}}\nlisten: 0.0.0.0:8123\n"
-                    "auth: {keys: [{name: app, key_env: BENCH_KEY}]}\nsla: {ttft_p99_ms: 750, tpot_p99_ms: 90}\n")  # fmt: skip
+    spec.write_text(
+        f"model: {{path: {tiny_llama}, served_alias: chat}}\nlisten: 0.0.0.0:8123\n"
+        "auth: {keys: [{name: app, key_env: BENCH_KEY}]}\nsla: {ttft_p99_ms: 750, tpot_p99_ms: 90}\n"
+    )
     c = _resolve({"BENCH_KEY": "sk-x"}, sla_from=spec).config
     assert (c.url, c.target.model, c.target.headers["Authorization"]) == (
         "http://127.0.0.1:8123",
@@ -231,10 +263,26 @@ def test_a_yaml_invalid_elsewhere_still_gives_its_sla(tmp_path):
 
 
 def test_compare_reruns_the_baselines_load(tmp_path):
-    base = {"tool": "llmdeploy bench", "levels": [], "target": {"url": "http://b:2", "model": "bm", "api_key_env": None},
-            "load": {"mode": "rate", "levels": [1.0, 3.0], "duration_s": None, "requests": 40, "stream": False,
-                     "prompts": {"kind": "mix", "long_len": 900, "short_len": 50, "long_share": 0.25, "output_len": 64}},
-            "sla": {"ttft_p99_ms": 800, "tpot_p99_ms": None}}  # fmt: skip
+    base = {
+        "tool": "llmdeploy bench",
+        "levels": [],
+        "target": {"url": "http://b:2", "model": "bm", "api_key_env": None},
+        "load": {
+            "mode": "rate",
+            "levels": [1.0, 3.0],
+            "duration_s": None,
+            "requests": 40,
+            "stream": False,
+            "prompts": {
+                "kind": "mix",
+                "long_len": 900,
+                "short_len": 50,
+                "long_share": 0.25,
+                "output_len": 64,
+            },
+        },
+        "sla": {"ttft_p99_ms": 800, "tpot_p99_ms": None},
+    }
     f = tmp_path / "base.json"
     f.write_text(json.dumps(base))
     r = _resolve(compare=f, tolerance="5%")

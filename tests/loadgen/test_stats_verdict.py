@@ -25,9 +25,13 @@ def test_percentile_interpolates_like_numpy():
 
 
 def test_level_figures_from_results():
-    rs = [ok(0.0, ttft=0.1, e2e=1.0, tokens=11, backend="local"), ok(0.5, ttft=0.3, e2e=2.0, tokens=11, backend="cloud"),
-          ok(1.0, ttft=0.2, e2e=1.0, tokens=1, backend="local"), err(1.5, 429, "http_429:rate_limit_exceeded"),
-          err(1.6, None, "timeout")]  # fmt: skip
+    rs = [
+        ok(0.0, ttft=0.1, e2e=1.0, tokens=11, backend="local"),
+        ok(0.5, ttft=0.3, e2e=2.0, tokens=11, backend="cloud"),
+        ok(1.0, ttft=0.2, e2e=1.0, tokens=1, backend="local"),
+        err(1.5, 429, "http_429:rate_limit_exceeded"),
+        err(1.6, None, "timeout"),
+    ]
     s = summarize(LoadPoint("concurrency", 4), rs)
     assert (s.requests, s.ok, s.success_rate) == (5, 3, pytest.approx(0.6))
     assert s.errors == {"http_429:rate_limit_exceeded": 1, "timeout": 1}

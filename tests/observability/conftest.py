@@ -30,15 +30,26 @@ def obs(tmp_path_factory, tiny_llama):
     cloud = FakeCloud(root, expected_key=CLOUD_KEY).start()
     cli = Cli(root / "home", env=ENV)
     v1 = base_spec(
-        NAME, tiny_llama,
+        NAME,
+        tiny_llama,
         auth={"api_key_required": True, "keys": [{"name": "ops", "key_env": "OBS_KEY"}]},
-        cloud={"enabled": True, "provider": "openai-compatible", "base_url": f"{cloud.base}/v1",
-               "api_key_env": "OBS_CLOUD_KEY", "model": "ernie-test", "max_retries": 1, "timeout_s": 10},
+        cloud={
+            "enabled": True,
+            "provider": "openai-compatible",
+            "base_url": f"{cloud.base}/v1",
+            "api_key_env": "OBS_CLOUD_KEY",
+            "model": "ernie-test",
+            "max_retries": 1,
+            "timeout_s": 10,
+        },
         # a burst above 2 requests/s spills to the (fake) cloud: the tests see both backends
-        routing={"burst": {"local_rps": 2}, "overflow": {"use_predicted_ttft": False, "max_queue_depth": 4096}},
+        routing={
+            "burst": {"local_rps": 2},
+            "overflow": {"use_predicted_ttft": False, "max_queue_depth": 4096},
+        },
         sla={"ttft_p99_ms": 60000, "tpot_p99_ms": 60000},  # never judged slow: the burst alone spills
         cost=PRICES,
-    )  # fmt: skip
+    )
     rig = {"cli": cli, "root": root, "spec": v1, "url": f"http://{v1['listen']}", "cloud": cloud}
     rig["v1"] = write_spec(root / "v1.yaml", v1)
     try:

@@ -75,8 +75,11 @@ def test_promtool_checks_the_rules_and_their_thresholds(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run(
         [PROMTOOL, "test", "rules", ALERT_TESTS.name],
-        capture_output=True, text=True, timeout=120, cwd=ALERT_TESTS.parent,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ALERT_TESTS.parent,
+    )
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     # every Grafana query is valid PromQL: checked as recording rules ($__rate_interval is Grafana's)
     rules = [
@@ -96,8 +99,17 @@ def test_grafana_dashboard_is_importable_json():
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for topic in ("waiting", "kv cache", "ttft", "tpot", "cloud share", "by reason", "canary split", "rollbacks",
-                  "restarts"):  # fmt: skip
+    for topic in (
+        "waiting",
+        "kv cache",
+        "ttft",
+        "tpot",
+        "cloud share",
+        "by reason",
+        "canary split",
+        "rollbacks",
+        "restarts",
+    ):
         assert topic in titles, topic
     for p in dash["panels"]:
         if p["type"] != "row":
@@ -121,8 +133,11 @@ def test_every_metric_the_dashboard_and_alerts_use_is_exported(obs):
     )
     assert re.search(r"^llmdeploy:process_resident_memory_bytes\{.*\} [1-9]", engine.text, re.M)
     for backend in ("local", "cloud"):
-        assert re.search(rf'^llmdeploy_router_tokens_total\{{backend="{backend}",direction="out"\}} [1-9]',
-                         router.text, re.M), backend  # fmt: skip
+        assert re.search(
+            rf'^llmdeploy_router_tokens_total\{{backend="{backend}",direction="out"\}} [1-9]',
+            router.text,
+            re.M,
+        ), backend
     assert re.search(
         r'^llmdeploy_router_traffic_percent\{revision="1",role="stable"\} 100', router.text, re.M
     )
@@ -143,8 +158,9 @@ def test_tokens_per_key_and_the_cloud_cost_count_what_was_served(obs):
     delta = {
         (b, d): _sample(after, "llmdeploy_router_tokens_total", backend=b, direction=d)
         - _sample(before, "llmdeploy_router_tokens_total", backend=b, direction=d)
-        for b in ("local", "cloud") for d in ("in", "out")
-    }  # fmt: skip
+        for b in ("local", "cloud")
+        for d in ("in", "out")
+    }
     served = {r.headers["x-llmdeploy-backend"] for r in responses}
     assert served == {"local", "cloud"}, [
         x for x in after.splitlines() if "overflow_total" in x or "capab" in x

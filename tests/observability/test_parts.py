@@ -110,8 +110,16 @@ def test_resources_of_this_process():
 def test_saved_bench_results_newest_first_and_bounded(tmp_path):
     paths = DeploymentPaths("d", tmp_path / "d").create()
     assert latest_curve(paths) is None
-    level = {"mode": "concurrency", "value": 4, "requests_per_s": 2.0, "output_tokens_per_s": 50.0,
-             "ttft_ms": {"p50": 10, "p99": 30}, "tpot_ms": {"p99": 5}, "success_rate": 1.0, "meets_sla": True}  # fmt: skip
+    level = {
+        "mode": "concurrency",
+        "value": 4,
+        "requests_per_s": 2.0,
+        "output_tokens_per_s": 50.0,
+        "ttft_ms": {"p50": 10, "p99": 30},
+        "tpot_ms": {"p99": 5},
+        "success_rate": 1.0,
+        "meets_sla": True,
+    }
     for i in range(KEEP + 3):
         save_report(paths, {"started_at": f"run {i}", "levels": [level], "sla": {"ttft_p99_ms": 100}})
     saved = sorted((paths.root / "bench").glob("*.json"))
@@ -127,11 +135,24 @@ def test_status_cells():
     assert memory_cell(None) == "-"
     cpu = {"rss_bytes": 512 * 2**20, "peak_rss_bytes": 3 * 2**30, "device": "cpu"}
     assert memory_cell(cpu) == "RSS 512 MiB (peak 3.0 GiB)"
-    gpu = {**cpu, "device": "cuda", "device_memory_bytes": 2**31, "device_peak_memory_bytes": 2**32,
-           "device_memory_total_bytes": 80 * 2**30, "gpu_utilization": 0.45}  # fmt: skip
+    gpu = {
+        **cpu,
+        "device": "cuda",
+        "device_memory_bytes": 2**31,
+        "device_peak_memory_bytes": 2**32,
+        "device_memory_total_bytes": 80 * 2**30,
+        "gpu_utilization": 0.45,
+    }
     assert memory_cell(gpu).endswith("| GPU 2.0 GiB of 80.0 GiB (peak 4.0 GiB), util 45%")
-    line = cost_line({"currency": "USD", "local_per_1m": 0.25, "cloud_per_1m": 1.0, "spill_last_hour": 0.5,
-                      "spill_last_day": None})  # fmt: skip
+    line = cost_line(
+        {
+            "currency": "USD",
+            "local_per_1m": 0.25,
+            "cloud_per_1m": 1.0,
+            "spill_last_hour": 0.5,
+            "spill_last_day": None,
+        }
+    )
     assert line == (
         "per 1M tokens: local 0.25 USD, cloud 1 USD; spill to the cloud: 0.5 USD last hour, - last day"
     )
@@ -182,8 +203,14 @@ def test_dashboard_without_auth_merges_the_control_feed_and_counts_events():
 
     async def feed() -> dict:
         calls.append(1)
-        return {"name": "chat", "events": [{"id": i, "ts": T0, "kind": "apply", "revision": 1, "message": "m",
-                                            "data": {}} for i in range(20)], "bench": {"levels": [{"value": 1}]}}  # fmt: skip
+        return {
+            "name": "chat",
+            "events": [
+                {"id": i, "ts": T0, "kind": "apply", "revision": 1, "message": "m", "data": {}}
+                for i in range(20)
+            ],
+            "bench": {"levels": [{"value": 1}]},
+        }
 
     router.set_control_feed(feed)
     router.control_event("auto-rollback", 2)

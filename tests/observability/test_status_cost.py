@@ -53,9 +53,12 @@ def test_status_watch_redraws_every_second_and_ctrl_c_exits_0(obs):
     r = obs["cli"].run("status", "--watch", "--json")
     assert r.returncode == 2 and "do not go together" in r.stderr
     proc = subprocess.Popen(
-        [LLMDEPLOY, "status", "--watch", "--name", NAME], env={**obs["cli"].env, "COLUMNS": "200"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [LLMDEPLOY, "status", "--watch", "--name", NAME],
+        env={**obs["cli"].env, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out = ""
         deadline = time.monotonic() + 60
@@ -74,9 +77,23 @@ def test_status_watch_redraws_every_second_and_ctrl_c_exits_0(obs):
 def test_bench_prints_the_cost_and_saves_its_curve_for_status_and_the_dashboard(obs, tmp_path):
     out_json = tmp_path / "bench.json"
     r = obs["cli"].run(
-        "bench", "--sla-from", str(obs["v1"]), "--concurrency", "1,2", "--requests", "4", "--output-len", "4",
-        "--warmup", "0", "--save", "--json", str(out_json), env={"COLUMNS": "200"}, timeout=400,
-    )  # fmt: skip
+        "bench",
+        "--sla-from",
+        str(obs["v1"]),
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "4",
+        "--output-len",
+        "4",
+        "--warmup",
+        "0",
+        "--save",
+        "--json",
+        str(out_json),
+        env={"COLUMNS": "200"},
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(
         r"cost at \d+ concurrency: [\d.,]+ USD per 1M output tokens locally at [\d.]+ output", r.stdout
@@ -113,7 +130,10 @@ def test_rollbacks_and_engine_restarts_are_counted(obs):
     before = metric(url, "llmdeploy_router_engine_restarts_total", revision=str(st["stable"]))
     os.kill(engine["pid"], signal.SIGKILL)
     wait_for(
-        lambda: metric(url, "llmdeploy_router_engine_restarts_total", revision=str(st["stable"])) == before + 1,
-        60, what="the restart counter",
-    )  # fmt: skip
+        lambda: (
+            metric(url, "llmdeploy_router_engine_restarts_total", revision=str(st["stable"])) == before + 1
+        ),
+        60,
+        what="the restart counter",
+    )
     wait_for(lambda: obs["cli"].status(NAME)["replicas"][0]["ready"], 240, 1.0, what="the engine to be back")

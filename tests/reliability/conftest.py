@@ -27,9 +27,21 @@ from tests.router.conftest import ALIAS, CLOUD_KEY, RouterServer, deep_merge, ma
 FULL = os.environ.get("LLMDEPLOY_RELIABILITY_FULL") == "1"
 ENGINE_TOKEN = "engine-token-" + secrets.token_hex(8)
 ENGINE_ARGS = [
-    "--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-    "--kv-cache-gb", "0.02", "--device", "cpu", "--dtype", "float32", "--seed", "0",
-]  # fmt: skip
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "256",
+    "--kv-cache-gb",
+    "0.02",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+]
 ID_HEADERS = ("x-request-id", "x-llmdeploy-backend", "x-llmdeploy-revision")
 READ_TIMEOUT_S = 2.0  # the test servers' --http-read-timeout: slow clients are cut after this
 MAX_CONNECTIONS = 48  # the test servers' --max-connections

@@ -89,12 +89,20 @@ def completion(text: str, **kw: Any) -> dict:
 def start_deployment(root: Path, model: Path) -> Deployment:
     cloud = FakeCloud(root, expected_key=CLOUD_MARKER).start()
     spec = base_spec(
-        NAME, model,
+        NAME,
+        model,
         auth={"api_key_required": True, "keys": [{"name": "app", "key_env": "REL_APP_KEY"}]},
         engine={"kv_cache_gb": 0.02, "max_num_seqs": 8},
-        cloud={"enabled": True, "provider": "openai-compatible", "base_url": f"{cloud.base}/v1",
-               "api_key_env": "REL_CLOUD_KEY", "model": "ernie-rel", "max_retries": 1, "timeout_s": 120},
-    )  # fmt: skip
+        cloud={
+            "enabled": True,
+            "provider": "openai-compatible",
+            "base_url": f"{cloud.base}/v1",
+            "api_key_env": "REL_CLOUD_KEY",
+            "model": "ernie-rel",
+            "max_retries": 1,
+            "timeout_s": 120,
+        },
+    )
     spec = deep_merge(
         spec,
         {

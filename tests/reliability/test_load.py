@@ -43,9 +43,15 @@ class Outcome:
 
 
 async def call(
-    c: httpx.AsyncClient, path: str, body: Any, *, stream: bool = False, cancel_after: int | None = None,
-    headers: dict[str, str] | None = None, raw: bytes | None = None,
-) -> Outcome:  # fmt: skip
+    c: httpx.AsyncClient,
+    path: str,
+    body: Any,
+    *,
+    stream: bool = False,
+    cancel_after: int | None = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+) -> Outcome:
     """One request. cancel_after: a stream is dropped after that many events; a non-stream one after 0.3 s."""
     kw: dict[str, Any] = {"content": raw} if raw is not None else {"json": body}
     try:
@@ -89,7 +95,12 @@ def job(i: int, rng: random.Random, stream: bool, **kw: Any) -> dict:
             "stream": stream,
             **kw,
         }
-    return {"path": "/v1/completions", "body": completion(f"count {i}", max_tokens=max_tokens, stream=stream), "stream": stream, **kw}  # fmt: skip
+    return {
+        "path": "/v1/completions",
+        "body": completion(f"count {i}", max_tokens=max_tokens, stream=stream),
+        "stream": stream,
+        **kw,
+    }
 
 
 def test_burst_with_the_cloud_on_fails_nothing(deployment):
@@ -102,8 +113,12 @@ def test_burst_with_the_cloud_on_fails_nothing(deployment):
     failed = [o for o in out if o.status != 200 or (o.events and not o.stream_ok)]
     backends = {b: sum(o.backend == b for o in out) for b in ("local", "cloud")}
     deployment.marks["burst"] = {
-        "requests": n, "at_once": at_once, "failed": len(failed), **backends, "seconds": round(took, 1)
-    }  # fmt: skip
+        "requests": n,
+        "at_once": at_once,
+        "failed": len(failed),
+        **backends,
+        "seconds": round(took, 1),
+    }
     print(f"burst: {deployment.marks['burst']}")
     assert not failed, [(o.status, o.error) for o in failed[:10]]
     assert backends["cloud"] > 0 and backends["local"] > 0
@@ -199,12 +214,16 @@ def test_mixed_requests_with_cancellations_leak_no_kv_block(deployment):
         o for o, j in zip(out, jobs, strict=True) if j.get("stream") and not o.cancelled and not o.stream_ok
     ]
     deployment.marks["mixed"] = {
-        "requests": n, "cancelled": cancelled, "invalid": expect.count("4xx"), "seconds": round(took, 1),
-        "kv_blocks_leaked": leaked, "server_errors": len(server_errors),
+        "requests": n,
+        "cancelled": cancelled,
+        "invalid": expect.count("4xx"),
+        "seconds": round(took, 1),
+        "kv_blocks_leaked": leaked,
+        "server_errors": len(server_errors),
         "rss_mb_before": {k: round(v, 1) for k, v in before.items()},
         "rss_mb_after": {k: round(v, 1) for k, v in after.items()},
         "rss_drift_mb": {k: round(after[k] - before[k], 1) for k in pids},
-    }  # fmt: skip
+    }
     print(f"mixed: {deployment.marks['mixed']}")
     assert leaked == 0 and load["running"] == 0 and load["waiting"] == 0
     assert not server_errors and not wrong and not unfinished, (server_errors[:3], wrong[:3], unfinished[:3])

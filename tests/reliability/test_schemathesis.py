@@ -85,9 +85,12 @@ def examples(strategy: Any, count: int) -> list[Any]:
     found: list[Any] = []
 
     @settings(
-        max_examples=count, database=None, deadline=None, phases=[Phase.generate],
+        max_examples=count,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    )
     @given(strategy)
     def collect(case: Any) -> None:
         found.append(case)

@@ -36,10 +36,19 @@ POSE_AS_ENGINE = (
 
 
 def cloud_spec() -> DeploymentSpec:
-    return DeploymentSpec.model_validate({
-        "name": "offline", "model": {"served_alias": "chat-x"}, "listen": f"127.0.0.1:{free_port()}",
-        "cloud": {"enabled": True, "base_url": "http://127.0.0.1:9/v1", "api_key_env": "NOPE_KEY", "model": "m"},
-    })  # fmt: skip
+    return DeploymentSpec.model_validate(
+        {
+            "name": "offline",
+            "model": {"served_alias": "chat-x"},
+            "listen": f"127.0.0.1:{free_port()}",
+            "cloud": {
+                "enabled": True,
+                "base_url": "http://127.0.0.1:9/v1",
+                "api_key_env": "NOPE_KEY",
+                "model": "m",
+            },
+        }
+    )
 
 
 @pytest.fixture
@@ -55,9 +64,12 @@ def orphan(tmp_path, monkeypatch):
     port = free_port()
     env = {OWNER_ENV: owner_tag(paths, rev, "r1"), ENGINE_TOKEN_ENV: TOKEN}
     proc = ServerProcess(
-        ["-c", POSE_AS_ENGINE, "llmdeploy.engine", str(port)], f"http://127.0.0.1:{port}/health",
-        tmp_path / "engine.log", env=env, timeout_s=60,
-    ).start()  # fmt: skip
+        ["-c", POSE_AS_ENGINE, "llmdeploy.engine", str(port)],
+        f"http://127.0.0.1:{port}/health",
+        tmp_path / "engine.log",
+        env=env,
+        timeout_s=60,
+    ).start()
     try:
         store.record_engine(rev, "r1", proc.proc.pid, port, restarts=3)
         yield paths, store, spec, proc
@@ -125,7 +137,10 @@ def test_status_cli_offline_names_the_cloud_and_the_engine(orphan):
 
     out = subprocess.run(
         [str(Path(sys.executable).with_name("llmdeploy")), "status", "--name", "offline"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     assert "on (last applied spec)" in out.stdout and str(proc.proc.pid) in out.stdout

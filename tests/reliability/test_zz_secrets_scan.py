@@ -36,7 +36,7 @@ def test_no_key_token_or_prompt_in_logs_state_or_status(deployment):
             ("cloud key", CLOUD_MARKER),
             ("prompt text", PROMPT_MARKER),
             ("engine token", token),
-        )  # fmt: skip
+        )
         for where, blob in blobs.items()
         if secret.encode() in blob
     ]
