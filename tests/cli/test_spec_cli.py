@@ -206,6 +206,7 @@ def test_installed_script_exit_codes(tmp_path, bad_yaml):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI's time budget: scripts/test.sh -m full
 def test_plan_of_the_example_estimates_the_builtin_model():
     r = run_script("plan", "llmdeploy.yaml.example")
     assert r.returncode == 0, r.stderr

@@ -181,6 +181,7 @@ def test_secrets_never_reach_state_logs_status_or_engines(rig):
         assert CLIENT_SECRET.encode() not in environ and CLOUD_SECRET.encode() not in environ
 
 
+@pytest.mark.full  # CI's time budget: scripts/test.sh -m full
 def test_foreground_runs_attached_and_drains_on_sigterm(rig, tiny_llama):
     spec = base_spec("fg", tiny_llama)
     path = write_spec(rig["root"] / "fg.yaml", spec)

@@ -163,7 +163,8 @@ def test_batched_greedy_matches_generate(model_dir, case):
             assert got == hf_greedy(hf, ids, new)
 
 
-@pytest.mark.parametrize("case", ["llama", pytest.param("qwen3", marks=pytest.mark.full)])
+@pytest.mark.full  # CI's time budget: scripts/test.sh -m full (compile is off by default)
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
 def test_mixed_step_prefill_chunk_with_decodes(model_dir, case):
     """One sequence prefills in two chunks while two others decode in the same forwards."""
     folder = model_dir(case)
@@ -468,6 +469,7 @@ def test_concurrent_first_starts_share_one_entry(tiny_gguf):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 70-100 s: CI's time budget; the tiny models' greedy parity runs in CI for every architecture
 def test_builtin_smollm2_gguf_cache_and_greedy_parity(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
     first = load_model("builtin:smollm2-135m-instruct")

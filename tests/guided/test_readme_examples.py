@@ -12,7 +12,9 @@ import pytest
 from tests.helpers.procs import ServerProcess, free_port
 from tests.test_readme import REPO, fenced, section
 
-pytestmark = pytest.mark.slow
+# full: SmolLM2's start and answers, a minute over CI's time budget; the same requests run on the tiny model in
+# tests/guided (structured output, tools, one shape from local and cloud): scripts/test.sh -m full
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 EXAMPLE_URL = "http://127.0.0.1:8000/v1"
 
 

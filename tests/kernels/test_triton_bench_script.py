@@ -38,6 +38,7 @@ def test_without_cuda_says_nothing_measured(tmp_path):
     assert json.loads(out.read_text())["measured"] is False
 
 
+@pytest.mark.full  # CI's time budget: scripts/test.sh -m full
 def test_quick_kernel_part_on_cpu(tmp_path):
     out = tmp_path / "r.json"
     proc = run_script("--quick", "--device", "cpu", "--peak-gbps", "100", "--out", str(out), interpret=True)

@@ -159,6 +159,7 @@ def test_deep_queue_overflows_real_engine_to_cloud_with_zero_failures(fakes, sta
     assert "queue_depth" in rs.router.snapshot()["overflow"]
 
 
+@pytest.mark.full  # CI's time budget; tests/reliability/test_load.py kills an engine under load too
 def test_engine_killed_under_load_fails_over_with_zero_failures(fakes, start_router, tiny_llama, tmp_path):
     cloud, _ = fakes
     proc, url = start_engine(tiny_llama, tmp_path / "victim.log")
