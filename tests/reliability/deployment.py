@@ -56,9 +56,11 @@ class Deployment:
     def daemon_pid(self) -> int:
         return self.status()["daemon"]["pid"]
 
-    def wait_engine_ready(self, timeout_s: float = 180) -> dict:
+    def wait_engine_ready(self, timeout_s: float = 180, not_pid: int | None = None) -> dict:
+        """A ready replica; with `not_pid`, another process than that one (status may still list a killed engine
+        as ready until the supervisor notices)."""
         return wait_for(
-            lambda: next((r for r in self.status()["replicas"] if r["ready"]), None),
+            lambda: next((r for r in self.status()["replicas"] if r["ready"] and r["pid"] != not_pid), None),
             timeout_s,
             0.5,
             "the engine to be ready",

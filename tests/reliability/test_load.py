@@ -156,7 +156,9 @@ def test_kill_9_of_the_engine_under_load_fails_no_request(deployment):
     }
     print(f"kill -9: {deployment.marks['kill_9']}")
     assert not failed, [(o.status, o.error, o.events[-2:]) for o in failed[:5]]
-    again = deployment.wait_engine_ready()  # the supervisor restarts it; the next tests need it
+    again = deployment.wait_engine_ready(
+        not_pid=victim["pid"]
+    )  # the supervisor restarts it; later tests need it
     deployment.marks["kill_9"]["same_port_after_restart"] = again["url"] == victim["url"]
     assert again["pid"] != victim["pid"] and again["restarts"] == victim["restarts"] + 1
 
