@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from llmdeploy.openai_api.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, HTTPLimits
+from llmdeploy.openai_api.guard import HTTPLimits, add_http_limit_args
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.spec.models import EngineSpec, ModelSpec, SLASpec
 
@@ -86,19 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_BODY_BYTES,
         help=f"request bodies over this get 413 (default: {MAX_BODY_BYTES})",
     )
-    p.add_argument(
-        "--http-read-timeout",
-        type=float,
-        default=DEFAULT_READ_TIMEOUT_S,
-        help="seconds a client has to send a request's headers, and its body (plus its size at 64 KiB/s), "
-        f"before the connection is closed (default: {DEFAULT_READ_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help=f"open connections beyond this are refused with 503 (default: {DEFAULT_MAX_CONNECTIONS})",
-    )
+    add_http_limit_args(p)
     sla_default = SLASpec.model_fields["ttft_p99_ms"].default
     p.add_argument(
         "--ttft-sla-ms",

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -148,3 +149,20 @@ async def answer_unexpected(send: Any, started: bool, exc: BaseException, where:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    """The slow-client guards' flags, the same on the engine and the router."""
+    p.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, and its body (plus its size at 64 KiB/s), "
+        f"before the connection is closed (default: {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections beyond this are refused with 503 (default: {DEFAULT_MAX_CONNECTIONS})",
+    )

@@ -17,12 +17,7 @@ import sys
 
 import uvicorn
 
-from llmdeploy.openai_api.guard import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_READ_TIMEOUT_S,
-    HTTPLimits,
-    uvicorn_settings,
-)
+from llmdeploy.openai_api.guard import HTTPLimits, add_http_limit_args, uvicorn_settings
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.router.app import create_router
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
@@ -59,19 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", type=int, default=1, help="revision number the engines serve (default: 1)")
     p.add_argument("--host", default=None, help="override the host of `listen`")
     p.add_argument("--port", type=int, default=None, help="override the port of `listen`")
-    p.add_argument(
-        "--http-read-timeout",
-        type=float,
-        default=DEFAULT_READ_TIMEOUT_S,
-        help="seconds a client has to send a request's headers, and its body (plus its size at 64 KiB/s), "
-        f"before the connection is closed (default: {DEFAULT_READ_TIMEOUT_S:g})",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help=f"open connections beyond this are refused with 503 (default: {DEFAULT_MAX_CONNECTIONS})",
-    )
+    add_http_limit_args(p)
     return p
 
 
