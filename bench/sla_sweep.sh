@@ -6,6 +6,7 @@
 #
 #   bench/sla_sweep.sh            # about 12 minutes on a 2-core CPU
 #   DURATION=10s bench/sla_sweep.sh
+#   CLOUDS=true bench/sla_sweep.sh   # only the cloud-on half
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-bench/out/sla-$(date +%Y%m%d-%H%M)}
@@ -42,7 +43,7 @@ curl -sf -X POST "http://127.0.0.1:$CLOUD_PORT/_control" -H 'Content-Type: appli
   -d '{"delay_s": 0.3, "chunk_delay_s": 0.02}' >/dev/null
 
 lscpu | grep -E 'Model name' | tee "$OUT/cpu.txt"
-for cloud in false true; do
+for cloud in ${CLOUDS:-false true}; do
   name=$([ "$cloud" = true ] && echo cloud-on || echo cloud-off)
   spec "$cloud" >"$OUT/$name.yaml"
   $LD apply "$OUT/$name.yaml" --force | tail -3

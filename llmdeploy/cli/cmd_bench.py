@@ -42,6 +42,7 @@ HELP = "\n\n".join(
 )
 
 
+# one typer.Option per flag: the blocks look alike on purpose (name, type and help differ; typer wants each)
 def bench(
     url: str | None = typer.Option(
         None, "--url", help="Base URL, e.g. http://127.0.0.1:8000 (/v1 is added unless the URL ends in /vN)."

@@ -222,13 +222,15 @@ def _dry_run(spec, paths: DeploymentPaths) -> None:
     plain(f"apply would: {diff.summary()}")
 
 
+APPLY_EXAMPLES = (
+    "llmdeploy apply llmdeploy.yaml",
+    "llmdeploy apply llmdeploy.yaml --dry-run",
+    "llmdeploy apply llmdeploy.yaml --foreground   # systemd, containers",
+)
+
+
 def register(app: typer.Typer) -> None:
-    cmd = lambda *ex: app.command(epilog=examples(*ex))  # noqa: E731
-    cmd(
-        "llmdeploy apply llmdeploy.yaml",
-        "llmdeploy apply llmdeploy.yaml --dry-run",
-        "llmdeploy apply llmdeploy.yaml --foreground   # systemd, containers",
-    )(apply)
+    app.command(epilog=examples(*APPLY_EXAMPLES))(apply)
 
 
 def canary_share_line(share: dict) -> str:

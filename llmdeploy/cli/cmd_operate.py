@@ -151,12 +151,14 @@ def history(
     name: str | None = NAME_OPT,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Every revision: state, when, where it came from (apply, rollback to N) and what changed."""
-    from llmdeploy.cli.deploy_views import history_table, revision_change
+    """Every revision: state, when, where it came from (apply, rollback to N) and what changed; then the
+    autoscaler's changes, if any (--json: those are `scale` events in `status --json`)."""
+    from llmdeploy.cli.deploy_views import history_table, revision_change, scaling_table
 
     paths = deployment_paths(name)
     store = StateStore(paths.state_db)
     revs, dep = store.revisions(), store.deployment()
+    scaling = store.events(500, kind="scale")
     store.close()
     if as_json:
         changes = [
@@ -178,6 +180,8 @@ def history(
         plain(json.dumps(rows, indent=2))
         return
     console.print(history_table(revs, dep.stable if dep else None, dep.candidate if dep else None))
+    if scaling:
+        console.print(scaling_table(scaling))
 
 
 def logs(

@@ -63,10 +63,23 @@ def summary_table(st: dict[str, Any]) -> Table:
     t.add_row("URL", f"{st['url']}/v1")
     t.add_row("served alias", st["served_alias"] or "-")
     t.add_row("revision", ", ".join(revs) or "-")
-    t.add_row("replicas", f"{sum(r['ready'] for r in live)}/{len(live)} ready")
+    t.add_row("replicas", f"{sum(r['ready'] for r in live)}/{len(live)} ready{range_note(st)}")
     t.add_row("cloud", "on" if st.get("cloud") else "off")
     t.add_row("auth", "API key required" if st.get("auth") else "none (loopback only)")
     return t
+
+
+def range_note(st: dict[str, Any]) -> str:
+    """' (1-4)' when the stable revision autoscales, else ''."""
+    scaling = st.get("autoscale")
+    return f" ({scaling['min']}-{scaling['max']})" if scaling else ""
+
+
+def scaling_line(scaling: dict[str, Any]) -> str:
+    """e.g. '2 (1-4); last decision: hold: steady: requests are queued'."""
+    d = scaling.get("decision")
+    last = f"; last decision: {d['action']}: {d['reason']}" if d else ""
+    return f"{scaling['replicas']} ({scaling['min']}-{scaling['max']}){last}"
 
 
 def revisions_table(st: dict[str, Any]) -> Table:
@@ -190,6 +203,8 @@ def status_view(st: dict[str, Any]) -> RenderableType:
     for label, line in (("cost", cost_line(router.get("cost"))), ("bench", bench_line(st.get("bench")))):
         if line:
             head.add_row(label, line)
+    if st.get("autoscale"):
+        head.add_row("replicas", scaling_line(st["autoscale"]))
     judged = st.get("auto_rollback")
     if judged:
         head.add_row("auto-rollback", judged["reason"])
@@ -228,6 +243,21 @@ def history_table(revisions: list[Any], stable: int | None, candidate: int | Non
             r.reason,
         )
         prev = r.spec
+    return t
+
+
+def scaling_table(events: list[Any]) -> Table:
+    """The autoscaler's changes (`scale` events of state.db), for `history`: when, which revision, the count
+    before and after, and why."""
+    t = Table(title="Scaling", title_justify="left", show_edge=False, expand=True)
+    for col in ("TIME", "REV", "CHANGE", "REASON"):
+        t.add_column(col, no_wrap=col != "REASON", ratio=1 if col == "REASON" else None, overflow="fold")
+    for e in events:
+        d = e.data or {}
+        change = f"{d.get('from')} -> {d.get('to')}" + (
+            f" ({d['replica']} drains)" if d.get("replica") else ""
+        )
+        t.add_row(f"{ago(e.ts)}", str(e.revision or ""), change, d.get("reason", e.message))
     return t
 
 

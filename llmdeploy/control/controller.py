@@ -3,17 +3,19 @@
 Every change of the traffic between revisions (canary, promote, rollback, the automatic rollback, a revision
 that became ready or failed) is decided by a pure function of transitions.py over the value of traffic.py;
 the Controller is the one writer: it carries out the move that function returns (ARCHITECTURE.md §6, §7).
-The auto-rollback watcher (rollout.py) judges the candidate and asks the Controller for that move.
+The auto-rollback watcher (rollout.py) judges the candidate and asks the Controller for that move; the
+autoscaler (autoscaler.py) judges the stable revision's replicas and asks for transitions.scale the same way.
 
-One asyncio lock serialises every operation (admin calls and the automatic rollback). The in-memory state
-(applied spec, traffic) is written to state.db after each change, so a new daemon resumes exactly where a
-killed one stopped.
+One asyncio lock serialises every operation (admin calls, the automatic rollback, the autoscaler's moves). The
+in-memory state (applied spec, traffic) is written to state.db after each change, so a new daemon resumes
+exactly where a killed one stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -21,6 +23,7 @@ from pydantic import BaseModel, Field
 from llmdeploy.control import revisions as rv
 from llmdeploy.control import traffic as tr
 from llmdeploy.control import transitions as tx
+from llmdeploy.control.autoscaler import Autoscaler, observe
 from llmdeploy.control.diff import diff_specs
 from llmdeploy.control.errors import ControlError
 from llmdeploy.control.keys import mirror_env, referenced_env
@@ -30,6 +33,7 @@ from llmdeploy.control.rollout import AutoRollbackWatcher, WatchedCandidate
 from llmdeploy.control.state import StateStore
 from llmdeploy.control.status import daemon_status
 from llmdeploy.control.supervisor import Supervisor, is_our_engine, owner_tag, terminate, unsupported
+from llmdeploy.policies.autoscale import Decision
 from llmdeploy.policies.rollback import RollbackDecision
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
 from llmdeploy.spec.models import DeploymentSpec
@@ -58,6 +62,7 @@ class Controller:
         self.router: Any = None
         self.listener: Listener | None = None
         self.watcher = AutoRollbackWatcher(self._watched_candidate, self.auto_rollback)
+        self.autoscaler = Autoscaler(lambda now: observe(self, now), self.scale)
         self._reconcile_task: asyncio.Task | None = None
         self._stopping: set[asyncio.Task] = set()  # background stops: held so they are not collected mid-way
 
@@ -96,9 +101,12 @@ class Controller:
                 if wait:
                     await stopping
                 else:
-                    task = asyncio.get_running_loop().create_task(stopping)
-                    self._stopping.add(task)
-                    task.add_done_callback(self._stopping.discard)
+                    self._in_background(stopping)
+            case tr.AddReplica(revision=rev):
+                self.supervisor.add_replica(rev)
+            case tr.RemoveReplica(revision=rev, replica=name):
+                if (removed := self.supervisor.remove_replica(rev, name)) is not None:
+                    self._in_background(self.supervisor.drain(removed, DRAIN_S))
             case tr.SetRevisionState(revision=rev, state=state, reason=reason):
                 self.store.set_revision_state(rev, state, reason)
             case tr.MarkServed(revision=rev):
@@ -111,6 +119,11 @@ class Controller:
                 self.publish()
             case tr.Emit(kind=kind, message=message, revision=rev, data=data):
                 self.event(kind, message, rev, data)
+
+    def _in_background(self, stopping: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(stopping)
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
 
@@ -312,6 +325,20 @@ class Controller:
 
     async def watch_candidate(self, period_s: float = 1.0) -> None:
         await self.watcher.run(period_s)
+
+    # ---- autoscaling: the autoscaler's decision, carried out like any move ---------------------------------
+
+    async def scale(self, revision: int, decision: Decision, judged_replicas: int) -> dict[str, Any]:
+        async with self.lock:
+            return await self._carry_out(tx.scale(self.snapshot(), revision, decision, judged_replicas))
+
+    async def autoscale(self, period_s: float = 1.0) -> None:
+        await self.autoscaler.run(period_s)
+
+    @property
+    def scaling(self) -> dict[str, Any] | None:
+        """The stable revision's replica range and the autoscaler's last decision (status shows it)."""
+        return self.autoscaler.status(self)
 
     # ---- status and shutdown -------------------------------------------------------------------------------
 

@@ -87,8 +87,10 @@ async def run_daemon(
             if on_applied:
                 on_applied(controller, result)
         watcher = asyncio.create_task(controller.watch_candidate(), name="auto-rollback")
+        autoscaler = asyncio.create_task(controller.autoscale(), name="autoscaler")
         await stop.wait()
         watcher.cancel()
+        autoscaler.cancel()
     except ControlError as e:
         log.error("%s", e.message)
         code = 1

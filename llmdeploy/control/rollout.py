@@ -9,16 +9,13 @@ judgement is made without the lock). It keeps the last judgement, which `status`
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from llmdeploy.control.periodic import every
 from llmdeploy.policies.rollback import RollbackDecision, judge_candidate
 from llmdeploy.policies.snapshot import WindowStats
 from llmdeploy.spec.models import AutoRollbackSpec
-
-log = logging.getLogger("llmdeploy.control")
 
 
 @dataclass(frozen=True)
@@ -40,12 +37,7 @@ class AutoRollbackWatcher:
         self.judgement: RollbackDecision | None = None
 
     async def run(self, period_s: float = 1.0) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            try:
-                await self.judge_once()
-            except Exception:  # one bad check must not end the watching
-                log.exception("auto-rollback check failed")
+        await every(period_s, self.judge_once, "auto-rollback check")
 
     async def judge_once(self) -> None:
         candidate = self.watched()

@@ -90,6 +90,8 @@ class LiveControl(Protocol):
     def traffic(self) -> Traffic: ...
     @property
     def judgement(self) -> RollbackDecision | None: ...
+    @property
+    def scaling(self) -> dict[str, Any] | None: ...
 
 
 async def daemon_status(c: LiveControl) -> dict[str, Any]:
@@ -122,6 +124,7 @@ async def daemon_status(c: LiveControl) -> dict[str, Any]:
         "replicas": replicas,
         "router": snapshot,
         "auto_rollback": None if d is None else {"rollback": d.rollback, "reason": d.reason, **d.numbers()},
+        "autoscale": c.scaling,
         "events": [asdict(e) for e in c.store.events(12)],
         "last_auto_rollback": _last(c.store, "auto-rollback"),
         "bench": latest_curve(c.paths),
@@ -159,6 +162,7 @@ def offline_status(paths: DeploymentPaths) -> dict[str, Any]:
             "replicas": [_orphan(rec) for rec in running_engines(store, paths)],
             "router": {},
             "auto_rollback": None,
+            "autoscale": None,
             "events": [asdict(e) for e in store.events(12)],
             "last_auto_rollback": _last(store, "auto-rollback"),
             "bench": latest_curve(paths),

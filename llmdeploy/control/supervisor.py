@@ -16,18 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from llmdeploy.control.engine_args import engine_command
+from llmdeploy.control.engine_logs import kv_tokens_from_log, log_tail
 from llmdeploy.control.keys import referenced_env
 from llmdeploy.control.paths import DeploymentPaths
 from llmdeploy.control.processes import (  # noqa: F401 -- pid_alive, stop_recorded_engines: used via this module
@@ -49,57 +48,6 @@ START_TIMEOUT_S = 900.0  # loading big weights on CPU is slow; past this a silen
 MAX_CRASHES_BEFORE_READY = 3
 BACKOFF_BASE_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 0.5, 30.0, 30.0
 UNHEALTHY_AFTER = 3  # failed probes in a row before a live engine is marked unready
-ENGINE_BODY_FACTOR = 4  # the router re-encodes bodies with \u escapes: up to ~3x the client's bytes
-MIN_ENGINE_BODY_BYTES = 32 * 1024 * 1024
-
-
-def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> list[str]:
-    m, e = spec.model, spec.engine
-    cmd = [
-        sys.executable,
-        "-m",
-        "llmdeploy.engine",
-        "--model",
-        m.path,
-        "--served-alias",
-        m.served_alias,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        m.dtype,
-        "--max-model-len",
-        str(m.max_model_len),
-        "--block-size",
-        str(e.block_size),
-        "--max-num-seqs",
-        str(e.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(e.max_num_batched_tokens),
-        "--kv-cache-gb",
-        str(e.kv_cache_gb),
-        "--device",
-        e.device,
-        "--kernel-backend",
-        e.kernel_backend,
-        "--seed",
-        str(e.seed),
-    ]
-    cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization), "--log-level", spec.logging.level]
-    cmd += ["--drain-timeout", str(drain_s), "--max-body-bytes", str(engine_body_limit(spec))]
-    cmd += ["--ttft-sla-ms", str(spec.sla.ttft_p99_ms)]  # the scheduler's deadlines count from it
-    cmd += ["--quantization", m.quantization, "--compile" if e.compile else "--no-compile"]
-    if not e.prefix_caching:
-        cmd.append("--no-prefix-caching")
-    if spec.logging.bodies:
-        cmd.append("--log-bodies")
-    return cmd
-
-
-def engine_body_limit(spec: DeploymentSpec) -> int:
-    """Roomy enough for any body the router passes on (it refuses bigger ones first), yet bounded."""
-    return max(MIN_ENGINE_BODY_BYTES, ENGINE_BODY_FACTOR * spec.routing.max_body_bytes + 65536)
 
 
 def unsupported(spec: DeploymentSpec) -> str | None:
@@ -132,6 +80,7 @@ class Replica:
     task: asyncio.Task | None = None
     stopping: bool = False
     restart_pending: bool = False
+    added: bool = False  # by the autoscaler: giving up before ready drops it, not the revision
     log_offset: int = 0
     token: str | None = field(default=None, repr=False)  # the engine's internal token (never shown)
 
@@ -165,6 +114,9 @@ class Supervisor:
         self.replicas: dict[int, list[Replica]] = {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False)
         self.token = secrets.token_urlsafe(32)  # this daemon's engines' internal token
+        self.failed_adds: dict[int, float] = {}  # revision -> when an added replica last gave up (monotonic)
+        # removed replicas still stopping: their names stay taken until they have exited
+        self._draining: set[tuple[int, str]] = set()
 
     # what the daemon reads
     def revision_phase(self, revision: int) -> str:
@@ -181,13 +133,51 @@ class Supervisor:
     def start_revision(self, revision: int, spec: DeploymentSpec, adopt: list[EngineRecord] = ()) -> None:
         if revision in self.replicas:  # already supervised: a second set of monitors would fight the first
             return
-        records = {rec.replica: rec for rec in adopt}
-        reps = [Replica(revision, f"r{i + 1}", spec) for i in range(spec.parallel.replicas)]
-        self.replicas[revision] = reps
-        for r in reps:
-            r.task = asyncio.create_task(
-                self._supervise(r, records.get(r.name)), name=f"engine-{revision}-{r.name}"
-            )
+        records = {
+            rec.replica: rec
+            for rec in adopt  # only live engines: an added replica whose engine is gone is not restarted
+            if is_our_engine(rec.pid, rec.port, owner_tag(self.paths, revision, rec.replica))
+        }
+        self.replicas[revision] = []
+        for i, name in enumerate(_replica_names(spec, records)):
+            added = i >= spec.parallel.initial_replicas  # adopted after the autoscaler had added it
+            self._run(Replica(revision, name, spec, added=added), records.get(name))
+
+    def _run(self, r: Replica, record: EngineRecord | None = None) -> None:
+        self.replicas[r.revision].append(r)
+        r.task = asyncio.create_task(self._supervise(r, record), name=f"engine-{r.revision}-{r.name}")
+
+    def add_replica(self, revision: int) -> str:
+        """One more engine of a supervised revision (autoscaling): the lowest free name, unready until it
+        answers /health, so the router sends it nothing before."""
+        reps = self.replicas[revision]
+        taken = {r.name for r in reps} | {name for rev, name in self._draining if rev == revision}
+        name = next(f"r{i}" for i in range(1, len(taken) + 2) if f"r{i}" not in taken)
+        self._run(Replica(revision, name, reps[0].spec, added=True))
+        self.on_change()
+        return name
+
+    def remove_replica(self, revision: int, name: str) -> Replica | None:
+        """The replica leaves the revision and the routing table at once (on_change publishes); `drain` then
+        stops its engine. None: no such replica."""
+        reps = self.replicas.get(revision, [])
+        r = next((r for r in reps if r.name == name), None)
+        if r is None:
+            return None
+        reps.remove(r)
+        r.stopping, r.ready = True, False
+        if r.task:
+            r.task.cancel()
+        self._draining.add((revision, name))
+        self.on_change()
+        return r
+
+    async def drain(self, r: Replica, drain_s: float) -> None:
+        """A removed replica's engine finishes its in-flight requests (SIGTERM) and exits; its name is free then."""
+        try:
+            await self._stop(r, drain_s)
+        finally:
+            self._draining.discard((r.revision, r.name))
 
     async def stop_revision(self, revision: int, drain_s: float = 20.0) -> None:
         reps = self.replicas.pop(revision, [])
@@ -305,7 +295,10 @@ class Supervisor:
         r.ready, r.crashes = False, r.crashes + 1
         if was_ready:
             self.on_change()
-        tail = _log_tail(self.paths.engine_log(r.revision, r.name))
+        tail = log_tail(self.paths.engine_log(r.revision, r.name))
+        if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY and r.added:
+            self._drop_added(r, how, tail)
+            return False
         if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY:
             r.failed, r.phase = True, f"failed: {how}"
             self.event(
@@ -336,12 +329,29 @@ class Supervisor:
         r.restart_pending = True
         return not r.stopping
 
+    def _drop_added(self, r: Replica, how: str, tail: str) -> None:
+        """An added replica that never became ready leaves the revision, which keeps serving without it."""
+        reps = self.replicas.get(r.revision, [])
+        if r in reps:
+            reps.remove(r)
+        r.phase = f"failed: {how}"
+        self.failed_adds[r.revision] = time.monotonic()
+        self.event(
+            "engine-failed",
+            f"added engine {r.name} {how} {r.crashes} times before becoming ready; giving up "
+            f"(the revision keeps its {len(reps)} replicas)",
+            r.revision,
+            {"pid": r.pid, "log_tail": tail},
+        )
+        self.store.forget_engine(r.revision, r.name)
+        self.on_change()
+
     async def _probe(self, r: Replica) -> bool:
         try:
             resp = await self.http.get(f"{r.url}/health")
         except httpx.HTTPError:
             if not r.ever_ready and r.phase != "adopted":
-                r.kv_tokens = r.kv_tokens or _kv_tokens_from_log(
+                r.kv_tokens = r.kv_tokens or kv_tokens_from_log(
                     self.paths.engine_log(r.revision, r.name), r.log_offset
                 )
                 r.phase = "loading weights" if r.kv_tokens is None else "warming up"
@@ -384,22 +394,11 @@ class Supervisor:
         return {k: v for k, v in pairs if v is not None}
 
 
-KV_LINE = re.compile(rb"KV cache: .*?= (\d+) tokens")
-
-
-def _kv_tokens_from_log(path: Path, offset: int) -> int | None:
-    """The engine logs its KV cache size once weights are loaded; until /load answers, this is the progress."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            found = KV_LINE.findall(f.read(65536))
-    except OSError:
-        return None
-    return int(found[-1]) if found else None
-
-
-def _log_tail(path: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def _replica_names(spec: DeploymentSpec, adoptable: dict[str, EngineRecord]) -> list[str]:
+    """r1..rN for the revision's initial count; an autoscaled revision also takes back the replicas it had
+    added before the daemon restarted (their engines still run), up to its max."""
+    names = [f"r{i + 1}" for i in range(spec.parallel.initial_replicas)]
+    if spec.parallel.autoscale is not None:
+        extra = sorted((n for n in adoptable if n not in names), key=lambda n: (len(n), n))
+        names += extra[: spec.parallel.max_replicas - len(names)]
+    return names

@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 from llmdeploy.control import revisions as rv
 from llmdeploy.control.state import Revision
+from llmdeploy.policies.snapshot import Role
 from llmdeploy.spec.models import DeploymentSpec
 
-Role = Literal["stable", "candidate"]
 TrafficPhase = Literal["empty", "stable only", "canary"]
 EnginePhase = Literal["starting", "ready", "failed"]  # Supervisor.revision_phase
-EventKind = Literal["canary", "promote", "rollback", "auto-rollback", "ready", "failed", "retire"]
+EventKind = Literal["canary", "promote", "rollback", "auto-rollback", "ready", "failed", "retire", "scale"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,21 @@ class StopRevision:
 
 
 @dataclass(frozen=True)
+class AddReplica:
+    """The supervisor starts one more engine of the revision (autoscaling); it serves once ready."""
+
+    revision: int
+
+
+@dataclass(frozen=True)
+class RemoveReplica:
+    """The replica leaves the routing table, then drains and stops in the background (autoscaling)."""
+
+    revision: int
+    replica: str
+
+
+@dataclass(frozen=True)
 class SetRevisionState:
     revision: int
     state: rv.RevisionState
@@ -167,7 +182,18 @@ class Emit:
     data: dict[str, Any] | None = None
 
 
-Effect = StartRevision | StopRevision | SetRevisionState | MarkServed | UseSpec | Persist | Publish | Emit
+Effect = (
+    StartRevision
+    | StopRevision
+    | AddReplica
+    | RemoveReplica
+    | SetRevisionState
+    | MarkServed
+    | UseSpec
+    | Persist
+    | Publish
+    | Emit
+)
 PERSIST, PUBLISH = Persist(), Publish()
 
 

@@ -13,6 +13,7 @@ a file or the clock, so every rule and every refusal is tested without engines
   reapply_canary_percent  a hot reload changed rollout.canary_percent: a ready candidate's share moves
   settle                  the supervisor's news: a revision's engines became ready, or failed
   resumed                 a new daemon's traffic: revisions that no longer run leave it
+  scale                   the autoscaler's decision adds or removes one replica of the stable revision
   refuse_roll_forward     applying a rolled-back revision's settings again needs --force
 """
 
@@ -25,12 +26,14 @@ from llmdeploy.control.state import Revision
 from llmdeploy.control.traffic import (
     PERSIST,
     PUBLISH,
+    AddReplica,
     Effect,
     Emit,
     EventKind,
     MarkServed,
     Move,
     Refusal,
+    RemoveReplica,
     SetRevisionState,
     Snapshot,
     StartRevision,
@@ -38,6 +41,7 @@ from llmdeploy.control.traffic import (
     Traffic,
     UseSpec,
 )
+from llmdeploy.policies.autoscale import Action, Decision
 from llmdeploy.policies.rollback import RollbackDecision
 from llmdeploy.spec.models import DeploymentSpec
 
@@ -293,3 +297,30 @@ def resumed(traffic: Traffic, revisions: list[Revision] | tuple[Revision, ...]) 
     if stable is None:
         return Traffic(stable=candidate)
     return Traffic(stable, candidate, traffic.percent if candidate is not None else 0.0)
+
+
+# ---- the autoscaler ----------------------------------------------------------------------------------------
+
+
+def scale(now: Snapshot, rev: int, decision: Decision, judged_replicas: int) -> Move:
+    """The autoscaler judged revision `rev` at `judged_replicas` replicas without the lock: carry its decision
+    out only if `rev` is still the stable revision with that many replicas (else the next tick judges again).
+    The traffic does not change: the routing table follows the engines' readiness."""
+    replicas = now.engines_of(rev).replicas
+    if rev != now.traffic.stable or len(replicas) != judged_replicas or decision.action == Action.HOLD:
+        return Move(now.traffic, answer={"result": "nothing to scale"})
+    after = judged_replicas + (1 if decision.action == Action.UP else -1)
+    if decision.action == Action.UP:
+        change: Effect = AddReplica(rev)
+        what = f"revision {rev}: {judged_replicas} -> {after} replicas (one starts)"
+    else:
+        assert decision.replica is not None
+        if decision.replica not in {r.name for r in replicas}:
+            return Move(now.traffic, answer={"result": "nothing to scale"})
+        change = RemoveReplica(rev, decision.replica)
+        what = f"revision {rev}: {judged_replicas} -> {after} replicas ({decision.replica} drains)"
+    data = {"action": str(decision.action), "from": judged_replicas, "to": after, "reason": decision.reason}
+    if decision.replica:
+        data["replica"] = decision.replica
+    emit = Emit("scale", f"{what}: {decision.reason}", rev, data)
+    return Move(now.traffic, (change, emit), {"result": str(decision.action), "replicas": after})

@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from llmdeploy.openai_api.guard import HTTPLimits, add_http_limit_args
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.spec.models import EngineSpec, ModelSpec, SLASpec
+from llmdeploy.spec.parallel import ParallelSpec
 
 log = logging.getLogger("llmdeploy.engine")
 MODEL_KEYS = ("dtype", "max_model_len", "quantization")
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"request bodies over this get 413 (default: {MAX_BODY_BYTES})",
     )
     add_http_limit_args(p)
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help=f"{ParallelSpec.model_fields['tensor_parallel'].description}; this process is rank 0 and starts the "
+        "others (default: 1)",
+    )
     sla_default = SLASpec.model_fields["ttft_p99_ms"].default
     p.add_argument(
         "--ttft-sla-ms",
@@ -106,6 +115,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         model=args.model,
         base_dir=args.base_dir,
         ttft_sla_ms=args.ttft_sla_ms,
+        tensor_parallel=args.tensor_parallel,
         **{k: getattr(args, k) for k in keys},
     )
 

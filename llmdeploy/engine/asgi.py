@@ -1,33 +1,29 @@
 """HTTP/ASGI plumbing under the engine server, kept apart from the OpenAI request handling in server.py.
 
 None of it knows about the engine; it exists so that server.py reads as the request flow only. What it has to
-get right: a request id on every response, even when a bug escapes (pure ASGI, since BaseHTTPMiddleware would
-break streaming disconnects), the internal token a deployment's engine requires, a size cap enforced while a
-body is read, disconnects that cancel the work they watch, and a SIGTERM drain that exits 0 rather than -15.
+get right: a request id on every response, even when a bug escapes, a size cap enforced while a body is read and
+disconnects that cancel the work they watch (all three shared with the router: openai_api/asgi.py), the
+internal token a deployment's engine requires, and a SIGTERM drain that exits 0 rather than -15.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
-import re
 import signal
 import threading
-import uuid
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
-import anyio
 import uvicorn
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.requests import ClientDisconnect
 
 from llmdeploy.openai_api import bodies
-from llmdeploy.openai_api.errors import invalid_request, payload_too_large, unauthorized_internal
-from llmdeploy.openai_api.guard import answer_unexpected
+from llmdeploy.openai_api.asgi import ClientGone, RequestIdMiddleware, read_capped
+from llmdeploy.openai_api.asgi import unless_disconnected as watch_disconnect
+from llmdeploy.openai_api.errors import invalid_request, unauthorized_internal
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_HEADER
 
 log = logging.getLogger(
@@ -35,42 +31,7 @@ log = logging.getLogger(
 )  # one logger name for the whole server, as before the split
 T = TypeVar("T")
 MAX_BODY_BYTES = 32 * 1024 * 1024
-CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-# ---- request id -------------------------------------------------------------------------------------------
-
-
-class RequestIdMiddleware:
-    """Pure ASGI (BaseHTTPMiddleware would break streaming disconnects): echo a sane client id or make one."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if CLIENT_REQUEST_ID.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-
-        started = False
-
-        async def send_with_id(message: dict) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception as exc:  # a bug: a 500 in OpenAI's shape with the id, logged once
-            await answer_unexpected(send_with_id, started, exc, f"engine request {rid}")
+MAX_REQUEST_ID_LENGTH = 128  # the router passes its own ids (64 at most) on; a direct client may send longer
 
 
 # ---- the internal token -----------------------------------------------------------------------------------
@@ -103,7 +64,7 @@ def install_plumbing(app: Any, internal_token: str | None) -> None:
     app.add_exception_handler(ClientGone, gone)
     if internal_token:
         app.add_middleware(InternalTokenGuard, token=internal_token)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, server="engine", max_id_length=MAX_REQUEST_ID_LENGTH)
 
 
 # ---- bodies and disconnects -------------------------------------------------------------------------------
@@ -112,45 +73,15 @@ def install_plumbing(app: Any, internal_token: str | None) -> None:
 async def read_object(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
     """The JSON object of a request body: 415 for another Content-Type, 413 past `limit` (counted while it is
     read, so a chunked body cannot grow without bound), 400 for anything that does not parse."""
-    bodies.check_content_type(request.headers.get("content-type"))
-    declared = request.headers.get("content-length") or ""
-    if declared.isdigit() and int(declared) > limit:
-        raise payload_too_large(limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    body = bodies.loads(b"".join(chunks))
+    body = bodies.loads(await read_capped(request, limit))
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", code="invalid_body")
     return body
 
 
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+    return await watch_disconnect(request.receive, work)
 
 
 # ---- uvicorn ----------------------------------------------------------------------------------------------

@@ -173,9 +173,7 @@ class AsyncLLMEngine:
             except Exception as exc:  # a bug outside the forward: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 outputs = []
-                with engine.lock:
-                    for req in list(engine.requests.values()):
-                        engine._fail(req, exc)
+                engine.fail_all(exc)
             failures = engine.pop_failures()
             if outputs or failures:
                 try:

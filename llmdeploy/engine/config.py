@@ -1,4 +1,8 @@
-"""EngineConfig: field names are the YAML's model.* and engine.* keys (llmdeploy/spec/models.py)."""
+"""EngineConfig: field names are the YAML's model.* and engine.* keys (llmdeploy/spec/models.py).
+
+Built once (from the spec, the engine's command line or LLM(...)'s keywords) and handed down whole to LLMEngine,
+ModelRunner and Scheduler, which read what they need from it; frozen, so every part sees the same settings (the
+engine's copy has max_model_len capped by the model's positions)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from llmdeploy.spec.models import DeploymentSpec, EngineSpec, SLASpec
 ENGINE_KEYS = tuple(EngineSpec.model_fields)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
@@ -29,6 +33,7 @@ class EngineConfig:
     quantization: str = "none"  # model.quantization: none | int8 (weight-only, CPU)
     # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
     ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
+    tensor_parallel: int = 1  # parallel.tensor_parallel: ranks of this engine (engine/parallel/)
 
     def __post_init__(self) -> None:
         # same rules as the YAML, so a config built in code fails the same way a spec would
@@ -37,6 +42,11 @@ class EngineConfig:
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"
         assert self.quantization in ("none", "int8"), f"unknown quantization {self.quantization}"
         assert self.ttft_sla_ms > 0, "ttft_sla_ms must be > 0"
+        assert self.tensor_parallel >= 1, "tensor_parallel must be >= 1"
+
+    @property
+    def ttft_sla_s(self) -> float:
+        return self.ttft_sla_ms / 1e3
 
     @classmethod
     def from_spec(cls, spec: DeploymentSpec, base_dir: str | None = None, **overrides: Any) -> EngineConfig:
@@ -46,6 +56,7 @@ class EngineConfig:
             max_model_len=spec.model.max_model_len,
             quantization=spec.model.quantization,
             ttft_sla_ms=spec.sla.ttft_p99_ms,
+            tensor_parallel=spec.parallel.tensor_parallel,
         )
         kw.update({k: getattr(spec.engine, k) for k in ENGINE_KEYS})
         kw.update(base_dir=base_dir, **overrides)

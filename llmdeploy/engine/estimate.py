@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmdeploy.engine.model_shape import ModelShape
 from llmdeploy.spec.models import DeploymentSpec
 from llmdeploy.spec.sources import ModelSource, ModelSourceError, resolve_model_source
 
@@ -21,23 +22,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class EstimateError(Exception):
     """The model's shape cannot be read; the message says why."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int | None
-    num_params: int | None  # summed from the tensor shapes in the weight files' headers
-    file_bytes: int  # on disk; a quantized GGUF is smaller than its weights in memory
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes  # K and V, every layer
 
 
 @dataclass(frozen=True)
@@ -179,7 +163,7 @@ def estimate(
         kv_budget_bytes=budget,
         block_size=spec.engine.block_size,
         max_model_len=spec.model.max_model_len,
-        replicas=spec.parallel.replicas,
+        replicas=spec.parallel.max_replicas,  # memory for the most that may run at once
         notes=notes,
     )
     if shape.max_position_embeddings and spec.model.max_model_len > shape.max_position_embeddings:

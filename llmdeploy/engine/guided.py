@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmdeploy.engine.guided")
 
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice"]
-GUIDED_KINDS: tuple[GuidedKind, ...] = ("json_schema", "json_object", "regex", "choice")
 # a random or confused model can emit whitespace forever inside JSON: a few characters between tokens is all
 # any JSON layout needs (indentation included)
 JSON_OPTIONS = {"whitespace_pattern": r"[ \t\n]{0,8}"}

@@ -121,7 +121,6 @@ class StepCostMeter:
         self.last_observed = time.monotonic()
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.decode_step_s: dict[int, float] = {}  # batch bucket -> EWMA of decode-only steps
-        self.observed_steps = 0
         self._current = self.calibrated
 
     def observe(self, prefill_tokens: float, decodes: int, seconds: float, now: float | None = None) -> None:
@@ -133,7 +132,6 @@ class StepCostMeter:
         self.recent.scale(STEP_DECAY * math.exp(-idle / IDLE_DECAY_S))
         self.recent.add(prefill_tokens, decodes, seconds, 1.0)
         self.last_observed = now
-        self.observed_steps += 1
         if not prefill_tokens and decodes:
             bucket = min((b for b in BATCH_BUCKETS if b >= decodes), default=BATCH_BUCKETS[-1])
             old = self.decode_step_s.get(bucket)

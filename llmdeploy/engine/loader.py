@@ -7,19 +7,22 @@ import ctypes
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
+from llmdeploy.engine.model_shape import ModelShape
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import onednn_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
+from llmdeploy.engine.parallel.shard import Shard, shard_picker
 from llmdeploy.engine.rope import rope_inv_freq
 from llmdeploy.engine.weights_cache import cache_root, ensure_converted
 from llmdeploy.kernels import resolve_backend
@@ -35,24 +38,11 @@ COMPILE_BY_DEFAULT = False
 QUANTIZATIONS = ("none", "int8")  # model.quantization: weight-only, per output channel, CPU
 
 
-@dataclass(frozen=True)
-class ModelArch:
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: list[int]
-
-
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
-    arch: ModelArch
+    arch: ModelShape
     dtype: torch.dtype
     device: torch.device
     source: ModelSource
@@ -99,7 +89,9 @@ def load_model(
     base_dir: str | Path | None = None,
     quantization: str = "none",
     compile: bool | None = None,
+    shard: Shard = Shard(),
 ) -> LoadedModel:
+    """`shard`: under tensor parallelism, the rank whose part of the weights to read (each reads only its own)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
@@ -117,15 +109,26 @@ def load_model(
     if dev.type == "cpu":
         keep_freed_memory_in_heap()
     max_positions = max_positions_of(config)
-    model = build_model(cls, config, backend, max_positions, torch_dtype, dev)
+    model = build_model(cls, config, backend, max_positions, torch_dtype, dev, shard)
+    pick = shard_picker(shard, model.split_of) if shard.size > 1 else None
     with torch.no_grad():
-        model.load_weights(iter_safetensors(folder))
+        model.load_weights(iter_safetensors(folder, pick))
     model.finish_loading(dev)
     model.eval().requires_grad_(False)
+    if shard.size > 1 and compile:
+        log.warning("engine.compile is not used with tensor_parallel > 1: the layers run eager")
+        compile = False
     speed_up(model, dev, torch_dtype, backend, quantization, compile)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    arch = model_arch(config, max_positions, eos_token_ids(folder, config, tokenizer))
+    arch = model_shape(config, max_positions, eos_token_ids(folder, config, tokenizer))
     return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source, dtype_reason, quantization)
+
+
+def read_hf_config(path: str, base_dir: str | Path | None = None) -> PretrainedConfig:
+    """The model's config as load_model reads it (a GGUF file is converted into the cache first)."""
+    source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
+    folder = source.path if source.kind == "hf" else ensure_converted(source.path)
+    return AutoConfig.from_pretrained(folder)
 
 
 # what nn.Linear, nn.Embedding and the norms' reset_parameters call
@@ -153,13 +156,14 @@ def build_model(
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    shard: Shard = Shard(),
 ) -> torch.nn.Module:
     """Uninitialised parameters of `dtype` on `device`: every one is overwritten by the checkpoint."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"), skip_param_init():
-            model = cls(config, backend, max_positions)
+            model = cls(config, backend, max_positions, shard)
     finally:
         torch.set_default_dtype(previous)
     return model.to_empty(device=device)
@@ -213,8 +217,11 @@ def use_compile(device: torch.device, backend: str, requested: bool | None = Non
     return wanted and device.type == "cpu" and backend == "torch"
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint file; sharded folders are listed by model.safetensors.index.json."""
+def iter_safetensors(
+    folder: Path, pick: Callable[[str, Any], torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint file; sharded folders are listed by model.safetensors.index.json.
+    `pick(name, slice)`: the part of each tensor to read (a tensor-parallel rank's), else the whole tensor."""
     index = folder / "model.safetensors.index.json"
     if (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
@@ -227,7 +234,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(folder / file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name) if pick is None else pick(name, f.get_slice(name))
 
 
 def max_positions_of(config: PretrainedConfig) -> int:
@@ -259,8 +266,8 @@ def eos_token_ids(folder: Path, config: PretrainedConfig, tokenizer: PreTrainedT
     return found
 
 
-def model_arch(config: PretrainedConfig, max_positions: int, eos_ids: list[int]) -> ModelArch:
-    return ModelArch(
+def model_shape(config: PretrainedConfig, max_positions: int, eos_ids: list[int]) -> ModelShape:
+    return ModelShape(
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,

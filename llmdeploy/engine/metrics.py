@@ -42,52 +42,11 @@ STATS_METRICS: list[tuple[str, str, str, str]] = [
     ("generation_tokens", "generation_tokens_total", "counter", "Tokens generated."),
 ]
 
-# vLLM's buckets, so dashboards built for it read these the same way
-TTFT_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]
-ITL_BUCKETS = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+# vLLM's buckets, so dashboards built for it read these the same way; TTFT and inter-token latency share the
+# steps from 0.5 s to 80 s
+SECONDS_STEPS = [0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, *SECONDS_STEPS, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, *SECONDS_STEPS]
 LATENCY_BUCKETS = [
     0.3,
     0.5,

@@ -3,6 +3,11 @@
 KV capacity: engine.kv_cache_gb on CPU. On CUDA, a warm-up forward of max_num_batched_tokens measures this
 process's peak memory (weights + activations); the KV cache gets total * gpu_memory_utilization minus that peak,
 but never more than is actually free now (other processes' memory is not subtracted blindly, nor ignored).
+
+With tensor_parallel N (engine/parallel/) this is rank 0: it starts the other ranks and hands them each step,
+warm-up included. Every rank holds the same block ids for its own KV heads, so one block is 1/N of the replica's
+block bytes per rank: engine.kv_cache_gb stays the replica's total on CPU, and on CUDA the GPU with the least
+room sets the block count for all.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from llmdeploy.engine.errors import CapacityError
 from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.loader import LoadedModel, load_model
 from llmdeploy.engine.outputs import Capacity, TokenLogprob
+from llmdeploy.engine.parallel.shard import Shard
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
 GiB = 1 << 30
+# one step's flat input ids, positions, attention metadata and the rows whose logits are wanted
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 PROMPT_LOGPROB_ROWS = 128  # prompt positions scored at once: [128, vocab] float32 logits at most
 CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other kernels' workspaces
 # How fast the torch reference attention runs per FLOP, relative to the projections, by dtype. Measured on SmolLM2-135M
@@ -51,18 +59,62 @@ def release_openmp_workers() -> bool:
         return False
 
 
+def allocate_kv_cache(
+    model: torch.nn.Module, num_blocks: int, block_size: int, dtype, device
+) -> torch.Tensor:
+    """One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim], sliced into every layer (kv_heads:
+    this rank's). Zeroed: padded rows the reference kernels gather (and mask) must not hold NaN."""
+    layers = model.attention_layers()
+    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    kv = torch.zeros(shape, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+    return kv
+
+
+def load_rank(
+    config: EngineConfig, shard: Shard = Shard(), device: str | torch.device | None = None
+) -> LoadedModel:
+    """The model as `config` asks, or one tensor-parallel rank's part of it on its own device (the config's
+    dtype is then the one rank 0 resolved)."""
+    return load_model(
+        config.model,
+        dtype=config.dtype,
+        device=config.device if device is None else device,
+        kernel_backend=config.kernel_backend,
+        base_dir=config.base_dir,
+        quantization=config.quantization,
+        compile=config.compile,
+        shard=shard,
+    )
+
+
+def cuda_kv_bytes(device: torch.device, util: float) -> tuple[int, str, str]:
+    """total x utilization - this process's peak (after warm-up), capped by what is free now."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free = torch.cuda.mem_get_info(device)[0]
+    peak = torch.cuda.max_memory_allocated(device)
+    how = (
+        f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB, peak of weights + activations "
+        f"{peak / GiB:.2f} GiB, free now {free / GiB:.2f} GiB"
+    )
+    fix = "raise engine.gpu_memory_utilization, free GPU memory, or lower model.max_model_len"
+    return min(int(total * util) - peak, free - CUDA_FREE_MARGIN), how, fix
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        self.loaded = loaded or load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            kernel_backend=config.kernel_backend,
-            base_dir=config.base_dir,
-            quantization=config.quantization,
-            compile=config.compile,
-        )
+        self.tp = None  # rank 0's side of tensor parallelism (parallel/leader.py); None with one rank
+        if config.tensor_parallel > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel > 1 loads its own shards; a loaded model cannot be split")
+            from llmdeploy.engine.parallel.leader import start_ranks
+
+            self.tp = start_ranks(config)
+            loaded = load_rank(self.tp.config, Shard(0, self.tp.size), self.tp.device)
+            loaded.dtype_reason = self.tp.dtype_reason
+        self.loaded = loaded or load_rank(config)
         self.model, self.arch = self.loaded.model, self.loaded.arch
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # of the last run(): seq_id -> its chunk's
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
@@ -82,7 +134,8 @@ class ModelRunner:
         self.calibration = self.warmup()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
-        self.decode_graphs = capture_decode_graphs(self)  # CUDA only (engine/cuda_graphs.py)
+        # CUDA only (engine/cuda_graphs.py); not across ranks: a graph would hold the other ranks' sums
+        self.decode_graphs = capture_decode_graphs(self) if self.tp is None else None
         release_openmp_workers()
         self.capacity = Capacity(
             self.num_blocks,
@@ -100,6 +153,11 @@ class ModelRunner:
             self.capacity.max_model_len_seqs,
             self.max_model_len,
         )
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (also done at exit); nothing to do with one rank."""
+        if self.tp is not None:
+            self.tp.close()
 
     def measured_attn_cost_context(self) -> float | None:
         """Context length at which a prefill token's attention costs as much as its projections (the scheduler
@@ -119,12 +177,15 @@ class ModelRunner:
     # KV cache sizing
     @property
     def block_bytes(self) -> int:
-        a = self.arch
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return self.block_size * self.arch.kv_bytes_per_token(self.dtype.itemsize)
 
     def kv_cache_blocks(self) -> int:
         kv_bytes, how, fix = self.cuda_kv_bytes() if self.device.type == "cuda" else self.cpu_kv_bytes()
         num_blocks = max(0, kv_bytes) // self.block_bytes
+        if self.tp is not None and self.device.type == "cuda":  # each GPU holds 1/N of a block
+            num_blocks = self.tp.min_blocks(
+                max(0, kv_bytes) * self.config.tensor_parallel // self.block_bytes
+            )
         need = -(-self.max_model_len // self.block_size)
         if num_blocks < need:
             raise CapacityError(
@@ -143,27 +204,12 @@ class ModelRunner:
         )
 
     def cuda_kv_bytes(self) -> tuple[int, str, str]:
-        """total x utilization - this process's peak (after warm-up), capped by what is free now."""
-        util = self.config.gpu_memory_utilization
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free = torch.cuda.mem_get_info(self.device)[0]
-        peak = torch.cuda.max_memory_allocated(self.device)
-        how = (
-            f"gpu_memory_utilization={util} of {total / GiB:.1f} GiB, peak of weights + activations "
-            f"{peak / GiB:.2f} GiB, free now {free / GiB:.2f} GiB"
-        )
-        fix = "raise engine.gpu_memory_utilization, free GPU memory, or lower model.max_model_len"
-        return min(int(total * util) - peak, free - CUDA_FREE_MARGIN), how, fix
+        return cuda_kv_bytes(self.device, self.config.gpu_memory_utilization)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """One zeroed tensor [2, layers, blocks, block_size, kv_heads, head_dim], sliced into every layer.
-        Zeroed: padded rows the reference kernels gather (and mask) must not hold NaN."""
-        a = self.arch
-        shape = (2, a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-        return kv
+        if self.tp is not None:
+            self.tp.allocate_kv(num_blocks)
+        return allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def warmup(self) -> list[CostPoint]:
@@ -212,13 +258,18 @@ class ModelRunner:
 
     # one step
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, num_logit_rows: int | None = None) -> torch.Tensor:
-        """Forward of the batch's tokens -> float32 logits [len(batch.logit_seqs), vocab]."""
+    def run(
+        self, batch: ScheduledBatch, num_logit_rows: int | None = None, inputs: StepInputs | None = None
+    ) -> torch.Tensor:
+        """Forward of the batch's tokens -> float32 logits [len(batch.logit_seqs), vocab]. `inputs`: the batch
+        already prepared (the engine does it under its lock, before an abort can free the batch's blocks)."""
         if batch.blocks_to_copy:
             self.copy_blocks(batch.blocks_to_copy)
-        input_ids, positions, meta, logit_idx = self.prepare(batch)
+        input_ids, positions, meta, logit_idx = inputs if inputs is not None else self.prepare(batch)
         hidden = None
-        if self.decode_graphs is not None and not num_logit_rows:
+        if self.tp is not None:
+            hidden = self.tp.forward(self.model, input_ids, positions, meta, batch.blocks_to_copy)
+        elif self.decode_graphs is not None and not num_logit_rows:
             hidden = self.decode_graphs.forward(
                 input_ids, positions, meta
             )  # None: not a captured decode step
@@ -261,9 +312,7 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata."""
         bs, dev = self.block_size, self.device
         chunks, dec = batch.prefills, batch.decodes

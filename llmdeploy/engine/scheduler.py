@@ -33,10 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmdeploy.engine.block_manager import BlockManager
+from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
 from llmdeploy.engine.prefill_limits import LongPrefillLimits, limits_for_cost, moved
 from llmdeploy.engine.sequence import Sequence, SequenceStatus
-from llmdeploy.policies.deadline import DEFAULT_TTFT_SLA_S, relative_deadline_s
+from llmdeploy.policies.deadline import relative_deadline_s
 from llmdeploy.policies.step_cost import StepCost, chunk_cost
 
 
@@ -69,6 +70,10 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def request_ids(self) -> set[str]:
+        return {s.request_id for s, _ in self.prefills} | {s.request_id for s in self.decodes}
+
     def finalize(self) -> ScheduledBatch:
         """Fix which positions yield logits (chunks that end their sequence's tokens, then decodes) and which
         sequences get a token from which logits row (forked children share the parent's row)."""
@@ -98,9 +103,8 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
+        config: EngineConfig,
+        *,
         aging_steps: int | None = None,
         watermark: float = 0.01,
         attn_cost_context: float | None = None,
@@ -108,22 +112,24 @@ class Scheduler:
         long_prefill_budget: float | None = None,
         long_prefill_budget_alone: float | None = None,
         cost: StepCost | None = None,
-        ttft_sla_s: float = DEFAULT_TTFT_SLA_S,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.bm = block_manager
+        """From `config`: max_num_seqs, max_num_batched_tokens, max_model_len (the engine's, capped by the
+        model's positions) and the TTFT SLA. The keywords are tuning knobs the engine leaves at their default
+        except the measured attention cost and the live step-cost model."""
+        self.bm, budget = block_manager, config.max_num_batched_tokens
         # every running sequence must fit in one step's budget, or some decodes would stall
-        self.max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
-        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
+        self.max_num_seqs = min(config.max_num_seqs, budget)
+        self.max_num_batched_tokens, self.max_model_len = budget, config.max_model_len
         # aging (None: off) is a backstop only: deadlines already bound how long anything waits
         self.aging_steps, self.attn_cost_context = aging_steps, attn_cost_context
-        self.ttft_sla_s, self.clock = ttft_sla_s, clock
+        self.ttft_sla_s, self.clock = config.ttft_sla_s, clock
         nominal = StepCost(0.0, 1e-3, 0.0, attn_cost_context=attn_cost_context)  # 1 ms a token
         self.cost = cost or nominal
         # limits given explicitly stay; else they follow the step-cost model (set_cost)
         self.live_limits = cost is not None and long_prefill_threshold is None
         if self.live_limits:
-            self._set_limits(limits_for_cost(max_num_batched_tokens, self.cost))
+            self._set_limits(limits_for_cost(budget, self.cost))
         else:
             self.limits = None
             self.long_prefill_threshold = long_prefill_threshold

@@ -16,11 +16,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from llmdeploy.engine.asgi import (
     MAX_BODY_BYTES,
@@ -57,6 +58,7 @@ from llmdeploy.openai_api.schemas import (
 from llmdeploy.openai_api.sse import DONE, MEDIA_TYPE, STREAM_HEADERS, sse_data, sse_error_end
 
 log = logging.getLogger("llmdeploy.engine.server")
+Schema = TypeVar("Schema", bound=BaseModel)
 
 
 # ---- one request ------------------------------------------------------------------------------------------
@@ -250,28 +252,28 @@ class EngineServer:
 
     # -- endpoints
 
-    async def chat(self, request: Request) -> Response:
+    async def parse_body(self, request: Request, schema: type[Schema], alias_required: bool) -> Schema:
+        """The body as `schema`: its size, JSON and model alias checked first (413, 400, 404)."""
         body = await read_object(request, self.max_body_bytes)
-        check_alias(body, self.alias, required=True)
-        req = validate(ChatCompletionRequest, body)
+        check_alias(body, self.alias, required=alias_required)
+        return validate(schema, body)
+
+    async def chat(self, request: Request) -> Response:
+        req = await self.parse_body(request, ChatCompletionRequest, alias_required=True)
         k = chat_logprobs_k(req)
         prompts = chat_prompts(self.tokenizer, req)
         fmt = Formatter("chat", self.alias, req.n, self.texts, k, prompts, include_usage=req.include_usage)
         return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "messages"))
 
     async def completions(self, request: Request) -> Response:
-        body = await read_object(request, self.max_body_bytes)
-        check_alias(body, self.alias, required=True)
-        req = validate(CompletionRequest, body)
+        req = await self.parse_body(request, CompletionRequest, alias_required=True)
         k = completion_logprobs_k(req)
         prompts = completion_prompts(self.tokenizer, req)
         fmt = Formatter("completion", self.alias, req.n, self.texts, k, prompts, req.echo, req.include_usage)
         return await self.serve(Job(request, fmt, prompts, sampling_params(req, k), req.stream, "prompt"))
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
-        body = await read_object(request, self.max_body_bytes)
-        check_alias(body, self.alias, required=False)
-        req = validate(TokenizeRequest, body)
+        req = await self.parse_body(request, TokenizeRequest, alias_required=False)
         if req.messages is not None:
             tokens = chat_prompt_ids(self.tokenizer, req.messages)
         else:
@@ -279,9 +281,7 @@ class EngineServer:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
-        body = await read_object(request, self.max_body_bytes)
-        check_alias(body, self.alias, required=False)
-        req = validate(DetokenizeRequest, body)
+        req = await self.parse_body(request, DetokenizeRequest, alias_required=False)
         vocab = len(self.tokenizer)
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise invalid_request(f"Token ids must be in [0, {vocab}).", param="tokens")

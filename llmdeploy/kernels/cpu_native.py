@@ -153,6 +153,7 @@ def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+# paged_attention_decode's signature (kernels/reference.py), declared again by each backend that implements it
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,

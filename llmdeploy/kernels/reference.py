@@ -69,6 +69,7 @@ def paged_attention_decode(
     return decode_by_gather(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
 
 
+# paged_attention_decode's signature again: the torch path on its own, the definition the native kernel is tested against
 def decode_by_gather(
     query: torch.Tensor,
     k_cache: torch.Tensor,

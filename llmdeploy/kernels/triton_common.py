@@ -56,3 +56,66 @@ def dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_paged(
+    acc,
+    l_i,
+    m,
+    q,
+    pos_q,
+    K,
+    V,
+    table,
+    kv_head,
+    lo,
+    hi,
+    scale_log2,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online softmax of the rows of q (pre-scaled by log2 e: exp2) over keys lo..hi of one kv head, read tile by
+    tile through the block table; carries (acc, l_i, m) across calls. MASK: "none" (every key of every tile is
+    visible), "tail" (keys at or past hi are hidden) or "causal" (also keys after each row's position pos_q)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        block = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        row = offs_n % PAGE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K + (block * stride_kb + row * stride_kt + kv_head * stride_kh)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+        if MASK == "causal":
+            s = tl.where((offs_n[None, :] <= pos_q[:, None]) & n_mask[None, :], s, float("-inf"))
+        elif MASK == "tail":
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + (block * stride_vb + row * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST, PRECISION)
+        m = m_new
+    return acc, l_i, m

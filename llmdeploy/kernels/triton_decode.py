@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmdeploy.kernels.triton_common import check_device, dot, dot_args, head_block, num_sms
+from llmdeploy.kernels.triton_common import attend_paged, check_device, dot_args, head_block, num_sms
 
 LOG2E = 1.4426950408889634
 MIN_PARTITION = 256  # tokens; shorter partitions cost more in partial writes and merging than they win
@@ -92,30 +92,33 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = BlockTables + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        block = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + (block * stride_kb + row * stride_kt + kv_head * stride_kh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + (block * stride_vb + row * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m = m_new
+    acc, l_i, m = attend_paged(
+        acc,
+        l_i,
+        m,
+        q,
+        offs_h,  # no causal mask: the one query is the last position
+        K,
+        V,
+        table,
+        kv_head,
+        start,
+        end,
+        scale_log2,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        HEAD_DIM,
+        BLOCK_D,
+        PAGE,
+        BLOCK_N,
+        "tail",
+        UPCAST,
+        PRECISION,
+    )
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -164,6 +167,7 @@ def _merge_kernel(
     tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
+# paged_attention_decode's signature (kernels/reference.py) first, as each backend declares it, then tuning knobs
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -186,7 +190,7 @@ def decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    if max_context_len is None:
+    if not max_context_len:  # None or 0: not known to the caller
         max_context_len = int(context_lens.max())
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_d = head_block(head_dim)

@@ -50,6 +50,7 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
+# The op contract's signature (kernels/reference.py), declared again by each backend that implements it
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -91,6 +91,31 @@ def rms_norm(
 
 
 @triton.jit
+def _rotate_heads(
+    Src,
+    Dst,
+    stride_h,
+    stride_oh,
+    offs,
+    d_mask,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    """One token's heads (Src and Dst at its row) rotated by its cos and sin rows, float32 [1, BLOCK_HALF]."""
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    mask = (heads < NUM_HEADS) & d_mask[None, :]
+    src = Src + heads * stride_h + offs[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = Dst + heads * stride_oh + offs[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(Dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(Dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kernel(
     Positions,
     Q,
@@ -121,23 +146,10 @@ def _rotary_kernel(
     cos = tl.load(CosSin + pos * stride_cs + offs, mask=d_mask, other=0.0)[None, :]
     sin = tl.load(CosSin + pos * stride_cs + HALF + offs, mask=d_mask, other=0.0)[None, :]
 
-    heads = tl.arange(0, BLOCK_QH)[:, None]
-    mask = (heads < NUM_Q_HEADS) & d_mask[None, :]
-    src = Q + token * stride_qn + heads * stride_qh + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = QOut + token * stride_qon + heads * stride_qoh + offs[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(QOut.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(QOut.dtype.element_ty), mask=mask)
-
-    heads = tl.arange(0, BLOCK_KH)[:, None]
-    mask = (heads < NUM_K_HEADS) & d_mask[None, :]
-    src = K + token * stride_kn + heads * stride_kh + offs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = KOut + token * stride_kon + heads * stride_koh + offs[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(KOut.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(KOut.dtype.element_ty), mask=mask)
+    q_row, k_row = Q + token * stride_qn, K + token * stride_kn
+    q_out, k_out = QOut + token * stride_qon, KOut + token * stride_kon
+    _rotate_heads(q_row, q_out, stride_qh, stride_qoh, offs, d_mask, cos, sin, HALF, NUM_Q_HEADS, BLOCK_QH)
+    _rotate_heads(k_row, k_out, stride_kh, stride_koh, offs, d_mask, cos, sin, HALF, NUM_K_HEADS, BLOCK_KH)
 
 
 def rotary_embedding(

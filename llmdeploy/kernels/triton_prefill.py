@@ -13,67 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llmdeploy.kernels.triton_common import check_device, dot, dot_args, head_block
+from llmdeploy.kernels.triton_common import attend_paged, check_device, dot_args, head_block
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend(
-    acc,
-    l_i,
-    m,
-    q,
-    pos_q,
-    K,
-    V,
-    table,
-    kv_head,
-    lo,
-    hi,
-    scale_log2,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        block = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + (block * stride_kb + row * stride_kt + kv_head * stride_kh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = dot(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
-        if MASKED:
-            s = tl.where((offs_n[None, :] <= pos_q[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + (block * stride_vb + row * stride_vt + kv_head * stride_vh)[:, None] + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, UPCAST, PRECISION)
-        m = m_new
-    return acc, l_i, m
 
 
 @triton.jit
@@ -131,10 +73,11 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     table = BlockTables + seq * stride_bt
-    # Keys below `free` are visible to every query of the tile; the rest up to `hi` straddle the diagonal.
+    # Keys below `free` are visible to every query of the tile; the rest up to `hi` straddle the diagonal. Two
+    # calls on purpose: the tiles below the diagonal skip the mask (the two stages of Triton's fused attention).
     free = (first_pos // BLOCK_N) * BLOCK_N
     hi = tl.minimum(ctx, first_pos + BLOCK_M)
-    acc, l_i, m = _attend(
+    acc, l_i, m = attend_paged(
         acc,
         l_i,
         m,
@@ -157,11 +100,11 @@ def _prefill_kernel(
         BLOCK_D,
         PAGE,
         BLOCK_N,
-        False,
+        "none",
         UPCAST,
         PRECISION,
     )
-    acc, l_i, m = _attend(
+    acc, l_i, m = attend_paged(
         acc,
         l_i,
         m,
@@ -184,7 +127,7 @@ def _prefill_kernel(
         BLOCK_D,
         PAGE,
         BLOCK_N,
-        True,
+        "causal",
         UPCAST,
         PRECISION,
     )
@@ -196,6 +139,7 @@ def _prefill_kernel(
     )
 
 
+# paged_prefill_attention's signature (kernels/reference.py) first, as each backend declares it, then knobs
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,

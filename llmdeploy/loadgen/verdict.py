@@ -42,16 +42,6 @@ def sla_misses(level: LevelSummary, sla: SLA) -> list[str]:
     return misses
 
 
-def unjudged(level: LevelSummary, sla: SLA) -> list[str]:
-    """Targets set but not measurable in this level (e.g. TTFT without streaming)."""
-    out = []
-    if sla.ttft_p99_ms is not None and level.ok and level.ttft_ms.p99 is None:
-        out.append("TTFT")
-    if sla.tpot_p99_ms is not None and level.ok and level.tpot_ms.p99 is None:
-        out.append("TPOT")
-    return out
-
-
 @dataclass(frozen=True)
 class Verdict:
     asked: LoadPoint | None  # the highest load run (what the user asked the deployment to carry)

@@ -1,5 +1,5 @@
-"""Where does one request go? DESIGN rule 2 as one pure function over a snapshot:
-pinned revision -> sticky canary split -> local if it can meet the SLA now -> cloud if egress is allowed and
+"""Where does one request go? The routing rule (docs/ARCHITECTURE.md §3.2) as one pure function over a
+snapshot: pinned revision -> sticky canary split -> local if it can meet the SLA now -> cloud if egress is allowed and
 its breaker is closed -> else queue locally (soft limits) or wait, then 503 (hard limit: queue depth).
 
 The result is a plan: the targets to try in order before the commit point (failover is the rest of it).
@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from llmdeploy.policies import affinity
 from llmdeploy.policies import capability as cap
 from llmdeploy.policies import overflow as ov
 from llmdeploy.policies.egress import CloudState, cloud_denied_reason
-from llmdeploy.policies.snapshot import ReplicaState, RequestFacts, RevisionState
+from llmdeploy.policies.snapshot import BackendKind, ReplicaState, RequestFacts, RevisionState
 from llmdeploy.policies.split import choose_revision
 
 LOCAL, CLOUD, WAIT, REJECT, SHED = "local", "cloud", "wait", "reject", "shed"
+Action = Literal["local", "cloud", "wait", "reject", "shed"]
 
 
 @dataclass(frozen=True)
 class Target:
-    backend: str  # "local" | "cloud"
+    backend: BackendKind
     replica: ReplicaState | None = None
 
 
@@ -31,7 +33,7 @@ CLOUD_TARGET = Target(CLOUD)
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # local | cloud | wait | reject
+    action: Action
     revision: int | None = None
     plan: tuple[Target, ...] = ()
     overflow_reason: str | None = None  # why the first choice is not local

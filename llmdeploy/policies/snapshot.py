@@ -7,12 +7,15 @@ only read them, so every decision is a pure function testable without a server.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from llmdeploy.policies.capability import Capabilities, Needs
 from llmdeploy.policies.prompt_size import PromptShape, PromptSize
 from llmdeploy.policies.resources import ResourceUsage
 from llmdeploy.policies.step_cost import StepCost
+
+Role = Literal["stable", "candidate"]
+BackendKind = Literal["local", "cloud"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class ReplicaState:
 @dataclass(frozen=True)
 class RevisionState:
     revision: int
-    role: str  # "stable" | "candidate"
+    role: Role
     percent: float
     replicas: tuple[ReplicaState, ...] = ()
 

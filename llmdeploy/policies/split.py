@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal
 
 from llmdeploy.policies.snapshot import RevisionState
+
+ChoiceError = Literal["revision_not_found", "revision_not_ready", "no_revision"]
 
 
 def sticky_bucket(value: str) -> float:
@@ -21,7 +24,7 @@ def sticky_bucket(value: str) -> float:
 @dataclass(frozen=True)
 class RevisionChoice:
     revision: RevisionState | None
-    error: str | None = None  # "revision_not_found" | "revision_not_ready" | "no_revision"
+    error: ChoiceError | None = None
     message: str = ""
 
 

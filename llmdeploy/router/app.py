@@ -1,7 +1,8 @@
 """The router: an OpenAI-compatible proxy in front of the local engines and the cloud.
 
 create_router(spec, table) -> Router; Router.app is the FastAPI app (docs/CONTRACTS.md section 5). A request
-goes: auth -> body size/JSON -> alias -> schema -> rate limit -> policies.route.decide -> Dispatcher.
+goes: auth -> body size/JSON -> alias -> schema -> rate limit -> policies.route.decide -> Dispatcher, and ends
+as one Outcome that the Bookkeeper records (router/outcome.py, router/bookkeeping.py).
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from fastapi import FastAPI
-from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llmdeploy.openai_api.asgi import RequestIdMiddleware
 from llmdeploy.openai_api.errors import (
     OpenAIError,
     install_error_handlers,
@@ -25,49 +26,35 @@ from llmdeploy.openai_api.errors import (
     server_error,
 )
 from llmdeploy.policies import capability
-from llmdeploy.policies.affinity import ReplicaChoice
 from llmdeploy.policies.breaker import BreakerConfig, CircuitBreaker
-from llmdeploy.policies.cost import Prices, Tokens
 from llmdeploy.policies.egress import ALLOW_CLOUD_HEADER, CloudState, header_allows_cloud
-from llmdeploy.policies.overflow import OverflowLimits
 from llmdeploy.policies.ratelimit import KeyRateLimiter, burst_bucket
-from llmdeploy.policies.route import CLOUD, LOCAL, REJECT, SHED, WAIT, Decision, decide
+from llmdeploy.policies.route import CLOUD, LOCAL, WAIT, Decision, decide
 from llmdeploy.policies.snapshot import RequestFacts, WindowStats
 from llmdeploy.policies.split import parse_pinned
 from llmdeploy.router import requests as rq
-from llmdeploy.router.access_log import AccessRecord, log_access
-from llmdeploy.router.auth import KeyInfo, KeyStore
+from llmdeploy.router.auth import KeyInfo
 from llmdeploy.router.backends import EnginePool
+from llmdeploy.router.bookkeeping import Bookkeeper
 from llmdeploy.router.cloud import CloudClient
 from llmdeploy.router.dashboard import install_dashboard
 from llmdeploy.router.dashboard_data import ControlFeed, Observer
-from llmdeploy.router.dispatch import Call, Dispatcher, revision_label
+from llmdeploy.router.dispatch import Dispatcher
 from llmdeploy.router.metrics import RouterMetrics
+from llmdeploy.router.outcome import Call, Outcome, ServedBy, conclude
+from llmdeploy.router.refusals import PIN_HEADER, unserved_error
 from llmdeploy.router.relay import Exchange
+from llmdeploy.router.settings import Settings, build_settings
 from llmdeploy.router.status import build_snapshot
 from llmdeploy.router.table import RoutingTable
 from llmdeploy.router.windows import RevisionWindows
 
 log = logging.getLogger("llmdeploy.router")
-PIN_HEADER = "x-llmdeploy-revision"
+# what every answer carries even when no backend served it (dispatch sets the real ones)
+DEFAULT_ID_HEADERS = ((b"x-llmdeploy-backend", b"none"), (b"x-llmdeploy-revision", b"none"))
+MAX_REQUEST_ID_LENGTH = 64
 WAIT_POLL_S = 0.05
 OLD_CLOUD_GRACE_S = 600.0  # a replaced cloud client stays open this long for requests still using it
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything a request reads from the spec, swapped as one object on reload."""
-
-    spec: object
-    alias: str
-    keys: KeyStore
-    limits: OverflowLimits
-    cloud: CloudClient
-    max_body: int
-    local_wait_s: float
-    sticky_header: str
-    bodies: bool
-    replica_choice: ReplicaChoice
 
 
 class Router:
@@ -89,13 +76,6 @@ class Router:
         self.metrics = RouterMetrics()
         # time series, tokens, cost, control events: /dashboard and status read it
         self.observer = Observer(self.metrics)
-        self.capability_decisions = Counter(
-            "llmdeploy_router_capability_decisions",
-            "Requests by which backends could serve them (none: no special needs; any; local_only; "
-            "cloud_only; rejected)",
-            ["decision"],
-            registry=self.metrics.registry,
-        )
         self.limiter = KeyRateLimiter()
         self.settings = self._settings(spec)
         self.limiter.configure(self.settings.keys.rpm_limits())
@@ -103,7 +83,8 @@ class Router:
         self.cloud_breaker = CircuitBreaker(BreakerConfig.from_spec(spec.routing.breaker))
         self.pool = EnginePool(table, BreakerConfig.from_spec(spec.routing.breaker), poll_interval_s)
         self.windows = RevisionWindows(spec.rollout.auto_rollback.window_s)
-        self.dispatcher = Dispatcher(self)
+        self.books = Bookkeeper(self.metrics, self.windows, self.observer)
+        self.dispatcher = Dispatcher(self.pool, table, self.cloud_breaker)
         self.started_at = time.time()
         self._retired: list[tuple[asyncio.Task, CloudClient]] = []
         self._start_task: asyncio.Future | None = None
@@ -116,20 +97,8 @@ class Router:
             self._start_task = asyncio.ensure_future(self.pool.start())
 
     def _settings(self, spec, reuse_cloud: CloudClient | None = None) -> Settings:
-        cloud = reuse_cloud or CloudClient(
-            spec.cloud, environ=self.environ, backoff_initial_s=self.cloud_backoff_s
-        )
-        return Settings(
-            spec=spec,
-            alias=spec.model.served_alias,
-            keys=KeyStore(spec.auth, self.generated_key_hashes, self.environ),
-            limits=OverflowLimits.from_spec(spec),
-            cloud=cloud,
-            max_body=spec.routing.max_body_bytes,
-            local_wait_s=spec.routing.local_wait_s,
-            sticky_header=spec.rollout.sticky_header,
-            bodies=spec.logging.bodies,
-            replica_choice=ReplicaChoice.from_spec(spec),
+        return build_settings(
+            spec, self.generated_key_hashes, self.environ, self.cloud_backoff_s, reuse_cloud
         )
 
     # ---- lifecycle and the control-plane seam -----------------------------------------------------------
@@ -208,7 +177,13 @@ class Router:
             title="llmdeploy router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
         )
         install_error_handlers(app)
-        app.add_middleware(rq.RequestIdMiddleware, on_first_request=self.start)
+        app.add_middleware(
+            RequestIdMiddleware,
+            server="router",
+            max_id_length=MAX_REQUEST_ID_LENGTH,
+            default_headers=DEFAULT_ID_HEADERS,
+            on_first_request=self.start,  # embedders may run the app with lifespan off: start the poller then
+        )
         app.router.add_route("/health", self.health, methods=["GET"])
         app.router.add_route("/ready", self.ready, methods=["GET"])
         app.router.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
@@ -238,23 +213,8 @@ class Router:
                 s.keys.authenticate(request.headers)
         except OpenAIError as e:
             return e.response()
-        for url, br in list(self.pool.breakers.items()):
-            self.metrics.breaker_open.labels(url).set(0 if br.state == "closed" else 1)
-        self.metrics.breaker_open.labels("cloud").set(0 if self.cloud_breaker.state == "closed" else 1)
-        self._engine_gauges()
         self.observer.refresh_gauges(self, time.monotonic())
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def _engine_gauges(self) -> None:
-        m = self.metrics
-        for rev in self.pool.revision_states(time.monotonic()):
-            for r in rev.replicas:
-                labels = (str(rev.revision), r.replica)
-                m.engine_up.labels(*labels).set(1 if r.usable else 0)
-                if r.load is not None:
-                    m.engine_kv.labels(*labels).set(r.load.kv_usage)
-                    m.engine_waiting.labels(*labels).set(r.load.waiting)
-                    m.engine_running.labels(*labels).set(r.load.running)
 
     async def models(self, request: Request) -> Response:
         s = self.settings
@@ -277,19 +237,11 @@ class Router:
 
     async def _serve(self, request: Request, endpoint: str) -> Response:
         s = self.settings
-        rid = request.scope["state"]["rid"]
-        self.metrics.inflight.inc()
-        call = Call(
-            rid,
-            endpoint,
-            {},
-            False,
-            Exchange(s.alias, False, s.bodies),
-            AccessRecord(rid, "POST", f"/v1/{endpoint}"),
-        )
+        call = Call(request.scope["state"]["request_id"], endpoint, Exchange(s.alias, False, s.bodies))
+        self.books.arrived()
         try:
             key = s.keys.authenticate(request.headers)
-            call.rec.key = key.name
+            call.key = key.name
             data = rq.parse_json(await rq.read_body(request, s.max_body))
             call.ex.alias = rq.check_alias(data, self.table.aliases(s.alias))
             req = rq.validate(data, endpoint)
@@ -300,38 +252,49 @@ class Router:
                 )
             call.body, call.stream = data, req.stream
             call.ex.client_wants_usage = req.include_usage
-            call.rec.stream, call.rec.body = req.stream, data if s.bodies else None
+            call.logged_body = data if s.bodies else None
             facts = self._facts(request, req, key)
             decision = await self._decide(s, facts)
         except OpenAIError as e:
-            call.rec.error = e.code or e.type
-            self.finish(call, e.status, "none", None)
-            return e.response()
+            return self._refused(call, e, e.code or e.type, None)
         except Exception as exc:  # a bug: booked and answered like any error, logged once
             return self._unexpected(call, exc, None)
-        self.capability_decisions.labels(decision.capability).inc()
-        call.rec.capability = decision.capability
+        call.capability = decision.capability
         if decision.action == CLOUD and decision.overflow_reason:
-            self.metrics.overflow.labels(decision.overflow_reason).inc()
-            call.rec.overflow = decision.overflow_reason
+            call.overflow = decision.overflow_reason
         if decision.action not in (CLOUD, LOCAL):
-            err = self._unserved(decision)
-            call.rec.error = err.code
-            self.finish(call, err.status, "none", decision.revision)
-            return err.response()
+            err = unserved_error(decision, s.local_wait_s, self.cloud_breaker.config.cooldown_s)
+            return self._refused(call, err, err.code, decision.revision)
         try:  # a client that leaves before its answer is ready aborts the backend request (499)
-            return await self.dispatcher.execute(s, call, decision, request.receive)
+            done = await self.dispatcher.execute(
+                s, call, decision, lambda o: self.record(call, o), request.receive
+            )
         except Exception as exc:
             return self._unexpected(call, exc, decision.revision)
         except BaseException:
-            self.finish(call, 499, "none", decision.revision)  # cancelled (shutdown): still booked
+            self._conclude(call, 499, "none", decision.revision)  # cancelled (shutdown): still booked
             raise
+        if done.outcome is not None:  # a stream's outcome is recorded when it ends
+            self.record(call, done.outcome)
+        return done.response
+
+    def _refused(self, call: Call, err: OpenAIError, error: str | None, revision: int | None) -> Response:
+        self._conclude(call, err.status, "none", revision, error)
+        return err.response()
 
     def _unexpected(self, call: Call, exc: Exception, revision: int | None) -> Response:
         log.error("request %s failed unexpectedly (%s)", call.request_id, type(exc).__name__, exc_info=exc)
-        call.rec.error = "internal_error"
-        self.finish(call, 500, "none", revision)
+        self._conclude(call, 500, "none", revision, "internal_error")
         return server_error().response()
+
+    def _conclude(
+        self, call: Call, status: int, served_by: ServedBy, revision: int | None, error: str | None = None
+    ) -> None:
+        self.record(call, conclude(call, time.monotonic(), status, served_by, revision, error))
+
+    def record(self, call: Call, outcome: Outcome) -> None:
+        """Book one answered request, once (router/bookkeeping.py), with the settings current now."""
+        self.books.record(call, outcome, self.settings)
 
     def _facts(self, request: Request, req, key: KeyInfo) -> RequestFacts:
         try:
@@ -371,72 +334,6 @@ class Router:
             if d.action != WAIT or now >= deadline:
                 return replace(d, capability=gate.label)
             await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - now)))
-
-    def _unserved(self, d: Decision) -> OpenAIError:
-        if d.action == REJECT:
-            return rq.rejected(d.status, d.code, d.message, param=d.param or PIN_HEADER)
-        why = {
-            "local_down": "no local engine is up",
-            "queue_depth": "the local engines' queues are full",
-        }.get(d.overflow_reason or "", "the local engines cannot take it")
-        if d.action == SHED:
-            bound = self.settings.local_wait_s
-            why = f"the local engines' predicted wait is over routing.local_wait_s ({bound:g} s)"
-        cloud = {
-            "key_no_egress": "this API key may not use the cloud",
-            "request_no_egress": "the request asked to stay local",
-            "cloud_disabled": "the cloud is not enabled",
-            "cloud_breaker_open": "the cloud is failing",
-            "pinned_revision": "a pinned revision is served locally only",
-        }.get(d.egress_denied or "", "")
-        message = f"The request cannot be served now: {why}" + (f" and {cloud}." if cloud else ".")
-        retry = self.cloud_breaker.config.cooldown_s if d.egress_denied == "cloud_breaker_open" else 1.0
-        return overloaded(message, d.retry_after_s if d.action == SHED else retry)
-
-    def finish(self, call: Call, status: int, backend: str, revision: int | None) -> None:
-        """Book one answered request, once: metrics, the revision window (local answers), the access log."""
-        if call.finished:
-            return
-        call.finished = True
-        self.metrics.inflight.dec()
-        now = time.monotonic()
-        ex, rec = call.ex, call.rec
-        rev = revision_label(backend, revision) if backend != "none" else "none"
-        rec.status, rec.backend, rec.revision = status, backend, rev
-        rec.e2e_ms = (now - ex.started) * 1000
-        rec.ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
-        rec.prompt_tokens, rec.completion_tokens = ex.prompt_tokens, ex.completion_tokens
-        if rec.completion_tokens is None and ex.content_events:
-            rec.completion_tokens = ex.content_events
-        if self.settings.bodies and ex.text:
-            rec.completion = "".join(ex.text)
-        m = self.metrics
-        m.requests.labels(backend, rev, str(status)).inc()
-        m.key_requests.labels(rec.key, str(status)).inc()
-        if status >= 400 and status != 499:
-            m.errors.labels(rec.error or str(status)).inc()
-        if backend != "none":
-            m.e2e.labels(backend, rev).observe(now - ex.started)
-            if ex.ttft_s is not None:
-                m.ttft.labels(backend, rev).observe(ex.ttft_s)
-        if backend == CLOUD:
-            m.cloud_tokens.labels("in").inc(ex.prompt_tokens or 0)
-            m.cloud_tokens.labels("out").inc(rec.completion_tokens or 0)
-        self.observer.record(
-            backend,
-            revision,
-            status,
-            ex.failed_after_commit is not None,
-            ex.ttft_s,
-            now - ex.started,
-            Tokens(ex.prompt_tokens or 0, rec.completion_tokens or 0),
-            rec.key,
-            Prices.from_spec(getattr(self.settings.spec, "cost", None)),
-        )
-        if backend == LOCAL and revision is not None and status in (200, 499):
-            ttft_ms = None if ex.ttft_s is None else ex.ttft_s * 1000
-            self.windows.record(revision, ex.failed_after_commit is not None, ttft_ms, now)
-        log_access(rec, self.settings.bodies)
 
 
 def create_router(

@@ -1,7 +1,8 @@
 """The router's observability state and the dashboard's JSON document.
 
-Observer is written by Router.finish() (one answered request: the time series, the token and cost counters) and
-by the control plane (Router.control_event: the rollback/restart counters); the dashboard and `status` read it.
+Observer is written by the Bookkeeper (router/bookkeeping.py; one answered request: the time series, the token
+and cost counters) and by the control plane (Router.control_event: the rollback/restart counters); the
+dashboard and `status` read it.
 The router imports nothing of the control plane: the daemon installs a feed (an async callable returning its
 status document: revision states, replicas, events, the saved bench curve) and the dashboard merges it in.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from llmdeploy.policies.cost import DAY_S, HOUR_S, Prices, Tokens, cloud_cost, cost_report
 from llmdeploy.policies.route import CLOUD, LOCAL
 from llmdeploy.router.metrics import RouterMetrics
+from llmdeploy.router.outcome import Outcome
 from llmdeploy.router.timeseries import TrafficSeries
 
 log = logging.getLogger("llmdeploy.router.dashboard")
@@ -33,37 +35,26 @@ class Observer:
         self._feed_cache: tuple[float, dict[str, Any] | None] | None = None
 
     # ---- writers ---------------------------------------------------------------------------------------------
-    def record(
-        self,
-        backend: str,
-        revision: int | None,
-        status: int,
-        error: bool,
-        ttft_s: float | None,
-        e2e_s: float,
-        tokens: Tokens,
-        key: str,
-        prices: Prices,
-    ) -> None:
-        """One answered request. `error`: a 5xx, or a stream broken after its first byte."""
+    def record(self, o: Outcome, key: str, prices: Prices) -> None:
+        """One answered request (the Bookkeeper's); an error for the series is a 5xx or a broken stream."""
+        backend = o.served_by
         if backend not in (LOCAL, CLOUD):
             return
         m = self.metrics
+        tokens = Tokens(o.prompt_tokens or 0, o.completion_tokens or 0)
         for direction, n in (("in", tokens.input), ("out", tokens.output)):
             if n:
                 m.tokens.labels(backend, direction).inc(n)
                 m.key_tokens.labels(key, direction).inc(n)
-        if ttft_s is not None and tokens.output > 1 and e2e_s > ttft_s:
-            label = "cloud" if backend == CLOUD else str(revision)
-            m.tpot.labels(backend, label).observe((e2e_s - ttft_s) / (tokens.output - 1))
+        if o.ttft_s is not None and tokens.output > 1 and o.total_s > o.ttft_s:
+            m.tpot.labels(backend, o.revision_label).observe((o.total_s - o.ttft_s) / (tokens.output - 1))
         if backend == CLOUD:
             spent = cloud_cost(prices, tokens)
             if spent:
                 m.cloud_cost.labels(prices.currency).inc(spent)
-        ttft_ms = None if ttft_s is None else ttft_s * 1000
-        self.series.record(
-            time.time(), backend, revision, error or status >= 500, ttft_ms, tokens.input, tokens.output
-        )
+        ttft_ms = None if o.ttft_s is None else o.ttft_s * 1000
+        error = o.broken is not None or o.status >= 500
+        self.series.record(time.time(), backend, o.revision, error, ttft_ms, tokens.input, tokens.output)
 
     def control_event(self, kind: str, revision: int | None) -> None:
         m = self.metrics
@@ -74,14 +65,28 @@ class Observer:
             m.engine_restarts.labels(str(revision)).inc()
 
     def refresh_gauges(self, router, now: float) -> None:
-        """At scrape time: the split and each listed engine's resources, from the table and the /load poller."""
-        self.metrics.set_split([(str(r.revision), r.role, r.percent) for r in router.table.revisions])
+        """At scrape time: the breakers, the split, each listed engine's load and resources, from the table,
+        the breakers and the /load poller."""
+        m = self.metrics
+        for url, br in list(router.pool.breakers.items()):
+            m.breaker_open.labels(url).set(0 if br.state == "closed" else 1)
+        m.breaker_open.labels("cloud").set(0 if router.cloud_breaker.state == "closed" else 1)
+        m.set_split([(str(r.revision), r.role, r.percent) for r in router.table.revisions])
+        revisions = router.pool.revision_states(now)
+        for rev in revisions:
+            for r in rev.replicas:
+                labels = (str(rev.revision), r.replica)
+                m.engine_up.labels(*labels).set(1 if r.usable else 0)
+                if r.load is not None:
+                    m.engine_kv.labels(*labels).set(r.load.kv_usage)
+                    m.engine_waiting.labels(*labels).set(r.load.waiting)
+                    m.engine_running.labels(*labels).set(r.load.running)
         rows = [
             (str(rev.revision), r.replica, r.load.resources if r.load is not None else None)
-            for rev in router.pool.revision_states(now)
+            for rev in revisions
             for r in rev.replicas
         ]
-        self.metrics.set_engine_resources(rows)
+        m.set_engine_resources(rows)
 
     # ---- readers ---------------------------------------------------------------------------------------------
     def cost(self, prices: Prices, now: float | None = None) -> dict[str, Any] | None:

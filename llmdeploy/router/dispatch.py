@@ -1,5 +1,6 @@
-"""Carrying out a routing plan: try each target in order until one commits; keep breakers, in-flight counts,
-windows and metrics honest; answer the client once, with the backend and revision that served it.
+"""Carrying out a routing plan: try each target in order until one commits; keep breakers and in-flight counts
+honest; answer the client once, with the backend and revision that served it, and conclude what the request
+came to (an Outcome, router/outcome.py) for the caller to record.
 
 A backend that rejects the request itself (4xx: bad parameter, context too long) is not failing: that never
 counts against its breaker or window, and its answer reaches the client as it is. A client that leaves before
@@ -7,22 +8,24 @@ its answer is ready aborts the backend request (499)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
+from llmdeploy.openai_api.asgi import ClientGone, unless_disconnected
 from llmdeploy.openai_api.errors import OpenAIError, overloaded
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_HEADER
+from llmdeploy.policies.breaker import CircuitBreaker
 from llmdeploy.policies.route import CLOUD, CLOUD_TARGET, LOCAL, Decision, Target
-from llmdeploy.router.access_log import AccessRecord
-from llmdeploy.router.backends import local_read_timeout_s
+from llmdeploy.router.backends import EnginePool, local_read_timeout_s
 from llmdeploy.router.normalize import UpstreamFailure
+from llmdeploy.router.outcome import AttemptFailure, Call, Outcome, ServedBy, conclude, revision_label
 from llmdeploy.router.relay import (
     Attempt,
     Continuation,
@@ -32,26 +35,15 @@ from llmdeploy.router.relay import (
     fetch_json,
     open_stream,
 )
-from llmdeploy.router.requests import until_disconnect
 from llmdeploy.router.resume import CONTINUED_MARK, continuation_body, resumable
+from llmdeploy.router.settings import Settings
+from llmdeploy.router.table import RoutingTable
 
 log = logging.getLogger("llmdeploy.router")
 CONFIG_KINDS = frozenset({"upstream_auth", "upstream_config"})
 # the request's own fault (the backend is fine): no breaker or window counts it
 CLIENT_KINDS = frozenset({"client_error", "context_length"})
 UNLIMITED_OUTPUT_GUESS = 2048  # no max_tokens and no /load yet: the output a read timeout is sized for
-
-
-@dataclass
-class Call:
-    request_id: str
-    endpoint: str  # "chat/completions" | "completions"
-    body: dict[str, Any]
-    stream: bool
-    ex: Exchange
-    rec: AccessRecord
-    finished: bool = False
-    reserved: str | None = None  # a local replica counted in flight at decision time (Dispatcher.execute)
 
 
 def upstream_payload(call: Call, model: str | None, body: dict[str, Any] | None = None) -> bytes:
@@ -67,91 +59,111 @@ def upstream_payload(call: Call, model: str | None, body: dict[str, Any] | None 
     return json.dumps(body).encode()
 
 
-def revision_label(backend: str, revision: int | None) -> str:
-    if backend == CLOUD:
-        return "cloud"
-    return "none" if revision is None else str(revision)
+@dataclass(frozen=True)
+class Dispatched:
+    response: Response
+    outcome: Outcome | None  # None: a committed stream, whose Outcome goes to `stream_ended` when it ends
+
+
+def reservation(decision: Decision) -> str | None:
+    """The replica a plan counts in flight at once: its first target when that is local. A plan that starts with
+    the cloud reserves nothing: counting its local fallback made every request the cloud was serving look queued
+    on the engine, so the predicted TTFT stayed over the SLA and even an idle engine got no traffic."""
+    first = decision.plan[0] if decision.plan else None
+    return first.replica.url if first is not None and first.backend == LOCAL and first.replica else None
 
 
 class Dispatcher:
-    def __init__(self, router) -> None:
-        self.r = router  # the Router: pool, cloud, cloud_breaker, metrics, windows, finish()
+    """Carries plans out against the engines (`pool`, `table`) and the cloud (`Settings.cloud` and its breaker).
+    It keeps the backends' breakers and in-flight counts; it books nothing: each request's Outcome goes back to
+    the caller, which records it once (router/bookkeeping.py)."""
 
-    async def execute(self, s, call: Call, decision: Decision, receive=None) -> Response:
+    def __init__(
+        self,
+        pool: EnginePool,
+        table: RoutingTable,
+        cloud_breaker: CircuitBreaker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool, self.table, self.cloud_breaker, self.clock = pool, table, cloud_breaker, clock
+
+    async def execute(
+        self,
+        s: Settings,
+        call: Call,
+        decision: Decision,
+        stream_ended: Callable[[Outcome], None],
+        receive: Receive | None = None,
+    ) -> Dispatched:
         """Carry out the plan; with `receive`, a client disconnect first cancels it (the backend aborts)."""
         self._reserve(call, decision)
         try:
-            return await self._watched(s, call, decision, receive)
+            work = self._execute(s, call, decision, stream_ended)
+            if receive is None:
+                return await work
+            return await unless_disconnected(receive, work)
+        except ClientGone:
+            return Dispatched(
+                Response(status_code=499), self._conclude(call, 499, "none", decision, "client_closed")
+            )
         finally:
             if call.reserved is not None:  # never attempted (cancelled, breaker refused, cloud first)
-                self.r.pool.release(call.reserved)
+                self.pool.release(call.reserved)
                 call.reserved = None
 
     def _reserve(self, call: Call, decision: Decision) -> None:
-        """Count the first local replica of the plan in flight now, before the attempt's task runs: decisions
-        made meanwhile (a burst arriving at once) see it, or they would all pick the same replica."""
-        first = next((t for t in decision.plan if t.backend == LOCAL), None)
-        if first is not None:
-            call.reserved = first.replica.url
-            self.r.pool.acquire(call.reserved)
+        """Count the plan's replica in flight now, before the attempt's task runs: decisions made meanwhile (a
+        burst arriving at once) see it, or they would all pick the same replica."""
+        if (url := reservation(decision)) is not None:
+            call.reserved = url
+            self.pool.acquire(url)
 
-    async def _watched(self, s, call: Call, decision: Decision, receive) -> Response:
-        if receive is None:
-            return await self._execute(s, call, decision)
-        task = asyncio.ensure_future(self._execute(s, call, decision))
-        watch = asyncio.ensure_future(until_disconnect(receive))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-                with anyio.CancelScope(shield=True):
-                    await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
-            call.rec.error = "client_closed"
-            self.r.finish(call, 499, "none", decision.revision)
-            return Response(status_code=499)
-        return task.result()
+    def _conclude(
+        self, call: Call, status: int, backend: ServedBy, decision: Decision, error: str | None = None
+    ) -> Outcome:
+        return conclude(call, self.clock(), status, backend, decision.revision, error)
 
-    async def _execute(self, s, call: Call, decision: Decision) -> Response:
+    async def _execute(
+        self, s: Settings, call: Call, decision: Decision, stream_ended: Callable[[Outcome], None]
+    ) -> Dispatched:
         if self._may_resume(s, call, decision):
             call.ex.keep_text = True  # the text so far is the continuation's prefix
         last: UpstreamFailure | None = None
-        prev: str | None = None
+        prev: ServedBy | None = None
         for target in decision.plan:
             attempt = self._attempt(s, call, target)
             if attempt is None:
                 continue  # breaker refused this backend
             if prev is not None:
-                self.r.metrics.failovers.labels(prev, target.backend).inc()
+                call.failovers.append((prev, target.backend))
             prev = target.backend
-            call.rec.attempts += 1
+            call.attempts += 1
             try:
                 if target.backend == CLOUD:
                     result = await s.cloud.with_retries(
-                        lambda a=attempt: self._once(a, call),
-                        lambda f: self.r.metrics.retries.labels(f.kind).inc(),
+                        lambda a=attempt: self._once(a, call), lambda f: call.retries.append(f.kind)
                     )
                 else:
                     result = await self._once(attempt, call)
             except UpstreamFailure as f:
-                self._failed(target, f, decision.revision)
+                self._failed(call, target, f)
                 if not f.failover:
-                    return self._error(call, f.error, target.backend, decision.revision)
+                    return self._error(call, f.error, target.backend, decision)
                 last = f
                 continue
             except BaseException:
                 self._release(target, ok=None)
                 raise
-            return self._committed(s, call, target, decision, result)
-        return self._error(call, self._final_error(last), prev or "none", decision.revision)
+            return self._committed(s, call, target, decision, result, stream_ended)
+        return self._error(call, self._final_error(last), prev or "none", decision)
 
     # ---- one attempt ------------------------------------------------------------------------------------
-    def _attempt(self, s, call: Call, target: Target, body: dict[str, Any] | None = None) -> Attempt | None:
-        now = time.monotonic()
+    def _attempt(
+        self, s: Settings, call: Call, target: Target, body: dict[str, Any] | None = None
+    ) -> Attempt | None:
+        now = self.clock()
         if target.backend == CLOUD:
-            if not s.cloud.enabled or not self.r.cloud_breaker.acquire(now):
+            if not s.cloud.enabled or not self.cloud_breaker.acquire(now):
                 return None
             return Attempt(
                 CLOUD,
@@ -162,14 +174,14 @@ class Dispatcher:
                 s.cloud.secrets,
             )
         url = target.replica.url
-        if not self.r.pool.breaker(url).acquire(now):
+        if not self.pool.breaker(url).acquire(now):
             return None
         if call.reserved == url:
             call.reserved = None  # the reservation becomes this attempt's count, released with it
         else:
-            self.r.pool.acquire(url)
+            self.pool.acquire(url)
         headers = {"x-request-id": call.request_id}
-        if token := self.r.pool.token_for(url):
+        if token := self.pool.token_for(url):
             headers[ENGINE_TOKEN_HEADER] = token
         load = target.replica.load
         floor_s = s.spec.routing.local_timeout_s
@@ -177,25 +189,23 @@ class Dispatcher:
         timeout_s = local_read_timeout_s(floor_s, most, load)
         return Attempt(
             LOCAL,
-            self.r.pool.client,
+            self.pool.client,
             f"{url}/v1/{call.endpoint}",
             headers,
-            upstream_payload(call, self.r.table.alias_of(target.replica.revision, s.alias)),
+            upstream_payload(call, self.table.alias_of(target.replica.revision, s.alias)),
             read_timeout_s=timeout_s,
         )
 
     async def _once(self, a: Attempt, call: Call):
         return await (open_stream(a, call.ex) if call.stream else fetch_json(a, call.ex))
 
-    def _failed(self, target: Target, f: UpstreamFailure, revision: int | None) -> None:
-        self.r.metrics.upstream_errors.labels(target.backend, f.kind).inc()
+    def _failed(self, call: Call, target: Target, f: UpstreamFailure) -> None:
         is_fault = f.kind not in CLIENT_KINDS
+        call.failures.append(AttemptFailure(target.backend, f.kind, is_fault))
         self._release(target, ok=not is_fault)
         if target.backend == LOCAL:
             if f.kind in ("connect_error",):
-                self.r.pool.mark_down(target.replica.url)
-            if is_fault and revision is not None:
-                self.r.windows.record(revision, True, None, time.monotonic())
+                self.pool.mark_down(target.replica.url)
             log.warning(
                 "local engine %s failed before the first token (%s): %s",
                 target.replica.replica,
@@ -207,56 +217,59 @@ class Dispatcher:
 
     def _release(self, target: Target, ok: bool | None) -> None:
         """End an attempt: breaker outcome (None: no outcome, give back a probe slot) and in-flight count."""
-        now = time.monotonic()
-        br = self.r.cloud_breaker if target.backend == CLOUD else self.r.pool.breaker(target.replica.url)
+        now = self.clock()
+        br = self._breaker(target)
         if ok is None:
             br.release()
         else:
             br.record(ok, now)
         if target.backend == LOCAL:
-            self.r.pool.release(target.replica.url)
+            self.pool.release(target.replica.url)
+
+    def _breaker(self, target: Target) -> CircuitBreaker:
+        # looked up each time: the pool replaces a restarted engine's breaker (EnginePool._poll)
+        return self.cloud_breaker if target.backend == CLOUD else self.pool.breaker(target.replica.url)
 
     # ---- answers ----------------------------------------------------------------------------------------
-    def _headers(self, call: Call, backend: str, revision: int | None) -> dict[str, str]:
-        rev = revision_label(backend, revision)
-        call.rec.backend, call.rec.revision = backend, rev
-        return {"x-request-id": call.request_id, "x-llmdeploy-backend": backend, "x-llmdeploy-revision": rev}
-
-    def _committed(self, s, call: Call, target: Target, decision: Decision, result) -> Response:
+    def _committed(
+        self,
+        s: Settings,
+        call: Call,
+        target: Target,
+        decision: Decision,
+        result,
+        stream_ended: Callable[[Outcome], None],
+    ) -> Dispatched:
         backend = target.backend
-        if backend == CLOUD:
-            self.r.cloud_breaker.record(True, time.monotonic())
-        else:
-            self.r.pool.breaker(target.replica.url).record(True, time.monotonic())
-            call.rec.replica = target.replica.replica
-        headers = self._headers(call, backend, decision.revision)
+        self._breaker(target).record(True, self.clock())
+        if backend == LOCAL:
+            call.replica = target.replica.replica
+        headers = id_headers(call.request_id, backend, decision.revision)
         if not call.stream:
             if backend == LOCAL:
-                self.r.pool.release(target.replica.url)
-            self.r.finish(call, 200, backend, decision.revision)
-            return JSONResponse(result, headers=headers)
+                self.pool.release(target.replica.url)
+            return Dispatched(
+                JSONResponse(result, headers=headers), self._conclude(call, 200, backend, decision)
+            )
 
         def on_end() -> None:
+            broken = call.ex.failed_after_commit
             if backend == LOCAL:
-                self.r.pool.release(target.replica.url)
-                if call.ex.failed_after_commit:
-                    self.r.pool.breaker(target.replica.url).record(False, time.monotonic())
-            elif call.ex.failed_after_commit:
-                self.r.cloud_breaker.record(False, time.monotonic())
-            if call.ex.failed_after_commit:
-                self.r.metrics.upstream_errors.labels(backend, call.ex.failed_after_commit).inc()
-                call.rec.error = call.ex.failed_after_commit
-            call.rec.continued = call.ex.continued
-            self.r.finish(call, 200 if call.ex.stream_complete else 499, backend, decision.revision)
+                self.pool.release(target.replica.url)
+            if broken:
+                self._breaker(target).record(False, self.clock())
+            status = 200 if call.ex.stream_complete else 499
+            stream_ended(self._conclude(call, status, backend, decision, broken))
 
         if backend == LOCAL and self._may_resume(s, call, decision):
             result.resume = lambda: self._continue_on_cloud(s, call, decision)
-        return RelayResponse(
+        relay = RelayResponse(
             result, call.ex, RelayEnd(result, on_end), {**headers, "cache-control": "no-cache"}
         )
+        return Dispatched(relay, None)
 
     # ---- continue_on_failure: cloud ----------------------------------------------------------------------
-    def _may_resume(self, s, call: Call, decision: Decision) -> bool:
+    def _may_resume(self, s: Settings, call: Call, decision: Decision) -> bool:
         return (
             call.stream
             and s.spec.routing.continue_on_failure == CLOUD
@@ -265,7 +278,7 @@ class Dispatcher:
             and resumable(call.body, call.endpoint)
         )
 
-    async def _continue_on_cloud(self, s, call: Call, decision: Decision) -> Continuation | None:
+    async def _continue_on_cloud(self, s: Settings, call: Call, decision: Decision) -> Continuation | None:
         """The cloud's stream for the rest of a local one that failed after its first token; None: not possible
         (nothing left to generate, cloud breaker open, the cloud failing too); the stream then ends in error."""
         ex = call.ex
@@ -273,14 +286,14 @@ class Dispatcher:
         attempt = self._attempt(s, call, CLOUD_TARGET, body) if body is not None else None
         if attempt is None:
             return None
-        self.r.metrics.failovers.labels(LOCAL, CLOUD).inc()
-        cx = Exchange(ex.alias, ex.client_wants_usage, self.r.settings.bodies)
+        call.failovers.append((LOCAL, CLOUD))
+        cx = Exchange(ex.alias, ex.client_wants_usage, s.bodies)
         try:
             stream = await s.cloud.with_retries(
-                lambda: open_stream(attempt, cx), lambda f: self.r.metrics.retries.labels(f.kind).inc()
+                lambda: open_stream(attempt, cx), lambda f: call.retries.append(f.kind)
             )
         except UpstreamFailure as f:
-            self._failed(CLOUD_TARGET, f, decision.revision)
+            self._failed(call, CLOUD_TARGET, f)
             return None
         except BaseException:
             self._release(CLOUD_TARGET, ok=None)
@@ -295,9 +308,9 @@ class Dispatcher:
 
         def finish(ok: bool | None) -> None:  # None: the client left, no verdict on the cloud
             if ok is None:
-                self.r.cloud_breaker.release()
+                self.cloud_breaker.release()
             else:
-                self.r.cloud_breaker.record(ok, time.monotonic())
+                self.cloud_breaker.record(ok, self.clock())
 
         return Continuation(stream, cx, CONTINUED_MARK, finish)
 
@@ -314,13 +327,18 @@ class Dispatcher:
             return overloaded(f"No backend could serve the request: {err.message}", last.retry_after_s or 1.0)
         return err
 
-    def _error(self, call: Call, err: OpenAIError, backend: str, revision: int | None) -> Response:
-        call.rec.error = err.code or err.type
-        self.r.finish(call, err.status, backend, revision)
+    def _error(self, call: Call, err: OpenAIError, backend: ServedBy, decision: Decision) -> Dispatched:
         resp = err.response()
-        for k, v in self._headers(call, backend, revision if backend != "none" else None).items():
+        revision = decision.revision if backend != "none" else None
+        for k, v in id_headers(call.request_id, backend, revision).items():
             resp.headers[k] = v
-        return resp
+        return Dispatched(resp, self._conclude(call, err.status, backend, decision, err.code or err.type))
+
+
+def id_headers(request_id: str, backend: ServedBy, revision: int | None) -> dict[str, str]:
+    """The ids every answer carries: which backend and revision served it."""
+    rev = revision_label(backend, revision)
+    return {"x-request-id": request_id, "x-llmdeploy-backend": backend, "x-llmdeploy-revision": rev}
 
 
 def output_tokens(body: dict[str, Any], max_model_len: int = 0) -> int:

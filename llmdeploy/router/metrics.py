@@ -42,109 +42,100 @@ def host_memory() -> tuple[int, int | None]:
     return total, None
 
 
+class _Family:
+    """Makes the router's metrics: the prefix and the registry written once."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.registry, self.prefix = registry, prefix
+
+    def counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"{self.prefix}{name}", doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"{self.prefix}{name}", doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+        return Histogram(f"{self.prefix}{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        p = "llmdeploy_router_"
-        self.requests = Counter(
-            f"{p}requests", "Requests answered", ["backend", "revision", "status"], registry=r
+        self.registry = CollectorRegistry()
+        f = _Family(self.registry, "llmdeploy_router_")
+        self.requests = f.counter("requests", "Requests answered", "backend", "revision", "status")
+        self.key_requests = f.counter("key_requests", "Requests per API key name", "key", "status")
+        self.errors = f.counter("errors", "Error answers to clients, by error code", "type")
+        self.upstream_errors = f.counter(
+            "upstream_errors", "Failed attempts at a backend, by kind", "backend", "type"
         )
-        self.key_requests = Counter(
-            f"{p}key_requests", "Requests per API key name", ["key", "status"], registry=r
+        self.overflow = f.counter(
+            "overflow", "Requests sent to the cloud instead of local, by reason", "reason"
         )
-        self.errors = Counter(f"{p}errors", "Error answers to clients, by error code", ["type"], registry=r)
-        self.upstream_errors = Counter(
-            f"{p}upstream_errors", "Failed attempts at a backend, by kind", ["backend", "type"], registry=r
+        self.failovers = f.counter(
+            "failovers", "Reroutes before the commit point", "from_backend", "to_backend"
         )
-        self.overflow = Counter(
-            f"{p}overflow", "Requests sent to the cloud instead of local, by reason", ["reason"], registry=r
+        self.retries = f.counter("retries", "Cloud retries before the commit point", "kind")
+        self.capability_decisions = f.counter(
+            "capability_decisions",
+            "Requests by which backends could serve them (none: no special needs; any; local_only; "
+            "cloud_only; rejected)",
+            "decision",
         )
-        self.failovers = Counter(
-            f"{p}failovers", "Reroutes before the commit point", ["from_backend", "to_backend"], registry=r
+        latency = ("backend", "revision")
+        self.ttft = f.histogram("ttft_seconds", "Time to first token (streams)", LATENCY_BUCKETS, *latency)
+        self.e2e = f.histogram(
+            "e2e_seconds", "Request latency, arrival to last byte", LATENCY_BUCKETS, *latency
         )
-        self.retries = Counter(f"{p}retries", "Cloud retries before the commit point", ["kind"], registry=r)
-        self.ttft = Histogram(
-            f"{p}ttft_seconds",
-            "Time to first token (streams)",
-            ["backend", "revision"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.cloud_tokens = f.counter(
+            "cloud_tokens", "Tokens sent to / received from the cloud (cost)", "direction"
         )
-        self.e2e = Histogram(
-            f"{p}e2e_seconds",
-            "Request latency, arrival to last byte",
-            ["backend", "revision"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.cloud_tokens = Counter(
-            f"{p}cloud_tokens", "Tokens sent to / received from the cloud (cost)", ["direction"], registry=r
-        )
-        self.inflight = Gauge(
-            f"{p}inflight_requests", "Requests in flight (arrived, not yet answered)", registry=r
-        )
-        self.breaker_open = Gauge(
-            f"{p}breaker_open", "1 while a backend's circuit breaker is not closed", ["backend"], registry=r
+        self.inflight = f.gauge("inflight_requests", "Requests in flight (arrived, not yet answered)")
+        self.breaker_open = f.gauge(
+            "breaker_open", "1 while a backend's circuit breaker is not closed", "backend"
         )
 
         # the engines as the router last polled them (/load): so one scrape of the router shows the whole host
-        engine = ["revision", "replica"]
-        self.engine_kv = Gauge(
-            f"{p}engine_kv_cache_usage_perc", "Engine KV cache usage, 0..1", engine, registry=r
-        )
-        self.engine_waiting = Gauge(
-            f"{p}engine_requests_waiting", "Engine requests waiting", engine, registry=r
-        )
-        self.engine_running = Gauge(
-            f"{p}engine_requests_running", "Engine requests running", engine, registry=r
-        )
-        self.engine_up = Gauge(
-            f"{p}engine_up", "1 while the engine answers /load and is ready", engine, registry=r
-        )
+        engine = ("revision", "replica")
+        self.engine_kv = f.gauge("engine_kv_cache_usage_perc", "Engine KV cache usage, 0..1", *engine)
+        self.engine_waiting = f.gauge("engine_requests_waiting", "Engine requests waiting", *engine)
+        self.engine_running = f.gauge("engine_requests_running", "Engine requests running", *engine)
+        self.engine_up = f.gauge("engine_up", "1 while the engine answers /load and is ready", *engine)
 
         # tokens and money (llmdeploy/policies/cost.py), the split, the control plane's events, resources
-        self.tokens = Counter(
-            f"{p}tokens",
+        self.tokens = f.counter(
+            "tokens",
             "Tokens served, by backend and direction (in: prompt, out: completion)",
-            ["backend", "direction"],
-            registry=r,
+            "backend",
+            "direction",
         )
-        self.key_tokens = Counter(
-            f"{p}key_tokens", "Tokens per API key name and direction", ["key", "direction"], registry=r
+        self.key_tokens = f.counter("key_tokens", "Tokens per API key name and direction", "key", "direction")
+        self.cloud_cost = f.counter(
+            "cloud_cost", "Money spent at the cloud at the spec's cost: prices", "currency"
         )
-        self.cloud_cost = Counter(
-            f"{p}cloud_cost", "Money spent at the cloud at the spec's cost: prices", ["currency"], registry=r
-        )
-        self.tpot = Histogram(
-            f"{p}tpot_seconds",
+        self.tpot = f.histogram(
+            "tpot_seconds",
             "Time per output token after the first (answers of 2+ tokens with a TTFT)",
-            ["backend", "revision"],
-            buckets=TPOT_BUCKETS,
-            registry=r,
+            TPOT_BUCKETS,
+            *latency,
         )
-        self.traffic_percent = Gauge(
-            f"{p}traffic_percent",
+        self.traffic_percent = f.gauge(
+            "traffic_percent",
             "Share of traffic each listed revision takes (the canary split), 0..100",
-            ["revision", "role"],
-            registry=r,
+            "revision",
+            "role",
         )
-        self.rollbacks = Counter(
-            f"{p}rollbacks",
+        self.rollbacks = f.counter(
+            "rollbacks",
             "Candidate rollbacks and re-deploys of an earlier revision (manual or auto)",
-            ["trigger"],
-            registry=r,
+            "trigger",
         )
-        self.engine_restarts = Counter(
-            f"{p}engine_restarts",
-            "Engine crashes the supervisor restarts, by revision",
-            ["revision"],
-            registry=r,
+        self.engine_restarts = f.counter(
+            "engine_restarts", "Engine crashes the supervisor restarts, by revision", "revision"
         )
-        self.control_events = Counter(
-            f"{p}control_events",
+        self.control_events = f.counter(
+            "control_events",
             "Control-plane events (apply, canary, promote, rollback, engine-crash...)",
-            ["kind"],
-            registry=r,
+            "kind",
         )
         for trigger in ("manual", "auto"):
             self.rollbacks.labels(trigger)
@@ -152,13 +143,10 @@ class RouterMetrics:
             for direction in ("in", "out"):
                 self.tokens.labels(backend, direction)
         self.engine_resources = {
-            attr: Gauge(f"{p}engine_{name}", doc, engine, registry=r) for name, attr, doc in ENGINE_RESOURCES
+            attr: f.gauge(f"engine_{name}", doc, *engine) for name, attr, doc in ENGINE_RESOURCES
         }
-        self.host_memory = Gauge(
-            f"{p}host_memory_bytes",
-            "Memory of the machine (total, available), as the router reads it",
-            ["kind"],
-            registry=r,
+        self.host_memory = f.gauge(
+            "host_memory_bytes", "Memory of the machine (total, available), as the router reads it", "kind"
         )
 
     def set_engine_resources(self, rows: list[tuple[str, str, object]]) -> None:

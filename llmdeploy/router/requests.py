@@ -6,63 +6,35 @@ Order (DESIGN rule 1) is kept by the caller: auth, then these, then the rate lim
 from __future__ import annotations
 
 import hashlib
-import re
-import uuid
 from typing import Any
 
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
 
 from llmdeploy.openai_api import bodies
+from llmdeploy.openai_api.asgi import ClientGone, read_capped
 from llmdeploy.openai_api.errors import (
     OpenAIError,
     from_validation_errors,
     invalid_request,
     model_not_found,
-    payload_too_large,
 )
-from llmdeploy.openai_api.guard import answer_unexpected
 from llmdeploy.openai_api.schemas import ChatCompletionRequest, CompletionRequest
 from llmdeploy.policies.prompt_size import FALLBACK, PromptShape
 
 PREFIX_KEY_BYTES = 512  # a completion prompt's prefix key: its first bytes (or ids), a few KV blocks' worth
 DEFAULT_MAX_TOKENS_GUESS = 256  # when the client sets no limit, plan KV room for this much output
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 SCHEMAS = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
 
 
-def request_id(incoming: str | None) -> str:
-    """The client's x-request-id when it is a sane token (so logs correlate), else a new one."""
-    if incoming and REQUEST_ID.match(incoming):
-        return incoming
-    return uuid.uuid4().hex
-
-
 async def read_body(request, limit: int) -> bytes:
-    bodies.check_content_type(request.headers.get("content-type"))
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise payload_too_large(limit)
-    chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone mid-body (or cut by the server's read deadline): nobody to answer
+        return await read_capped(request, limit)
+    except ClientGone:  # gone mid-body (or cut by the server's read deadline): nobody to answer
         raise client_closed() from None
-    return b"".join(chunks)
 
 
 def client_closed() -> OpenAIError:
     return OpenAIError(499, "The client closed the request.", code="client_closed")
-
-
-async def until_disconnect(receive) -> None:
-    """Returns when the client disconnects (call it only once the body has been read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -140,43 +112,3 @@ def planned_output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int
 
 def rejected(status: int, code: str, message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(status, message, param=param, code=code)
-
-
-class RequestIdMiddleware:
-    """Pure ASGI: every response carries x-request-id, x-llmdeploy-backend and x-llmdeploy-revision."""
-
-    def __init__(self, app, on_first_request=None) -> None:
-        self.app = app
-        self.on_first_request = on_first_request
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if self.on_first_request is not None:
-            # embedders may run the app with lifespan off: start the load poller on first use then
-            await self.on_first_request()
-        incoming = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"").decode("latin-1")
-        rid = request_id(incoming)
-        scope.setdefault("state", {})["rid"] = rid
-        defaults = (
-            (b"x-request-id", rid.encode()),
-            (b"x-llmdeploy-backend", b"none"),
-            (b"x-llmdeploy-revision", b"none"),
-        )
-
-        started = False
-
-        async def send_with_ids(message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                headers = list(message.get("headers", ()))
-                present = {k.lower() for k, _ in headers}
-                headers += [(k, v) for k, v in defaults if k not in present]
-                message["headers"] = headers
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_ids)
-        except Exception as exc:  # a bug: still a 500 in OpenAI's shape with the ids, logged once
-            await answer_unexpected(send_with_ids, started, exc, f"router request {rid}")

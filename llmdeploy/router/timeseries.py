@@ -1,6 +1,7 @@
 """A small in-memory time series of what the router answered: requests, errors and tokens per backend, TTFT per
-revision, in fixed-width buckets. Router.finish() is its one writer; the dashboard, status and the cost figures
-read it. Kept in memory only: a daemon restart starts it empty (Prometheus keeps the long history).
+revision, in fixed-width buckets. The Bookkeeper (through Observer.record) is its one writer; the dashboard,
+status and the cost figures read it. Kept in memory only: a daemon restart starts it empty (Prometheus keeps
+the long history).
 
 Two resolutions: 10 s buckets for the last hour (charts, canary vs stable) and 1 min buckets for the last day
 (the spill's cost over a day).

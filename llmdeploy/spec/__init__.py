@@ -17,6 +17,7 @@ from llmdeploy.spec.models import (
     is_loopback,
     split_listen,
 )
+from llmdeploy.spec.parallel import ReplicaRange
 
 __all__ = [
     "APIKeySpec",
@@ -27,6 +28,7 @@ __all__ = [
     "EngineSpec",
     "ModelSpec",
     "ParallelSpec",
+    "ReplicaRange",
     "RolloutSpec",
     "RoutingSpec",
     "RuleError",

@@ -12,18 +12,25 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import types
-import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from llmdeploy.spec.annotations import (
+    annotation_at,
+    described,
+    fields_at,
+    literal_choices,
+    union_branches,
+    without_branch_names,
+)
 from llmdeploy.spec.models import DeploymentSpec, RuleError, is_loopback, not_yet_supported
-from llmdeploy.spec.sources import ModelSourceError, resolve_model_source
+from llmdeploy.spec.parallel import tensor_parallel_problem
+from llmdeploy.spec.sources import ModelSource, ModelSourceError, resolve_model_source
 
 Loc = tuple[str | int, ...]
 MAX_NODES = 100_000  # alias bombs ("billion laughs") end with an error instead of eating memory
@@ -287,7 +294,7 @@ class _Validation:
         return None
 
     def take(self, err: dict, known: frozenset[Loc]) -> None:
-        loc: Loc = tuple(err["loc"])
+        loc = without_branch_names(tuple(err["loc"]))
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, RuleError):
             reads = [loc + tuple(f.split(".")) for f in (cause.field, *cause.involves) if f]
@@ -310,6 +317,7 @@ class _Validation:
                 source = resolve_model_source(spec.model.path, self.base_dir)
                 if not spec.model.path.startswith("builtin:"):
                     spec.model.path = str(source.path)
+                self.check_tensor_parallel(spec, source)
             except ModelSourceError as e:
                 self.errors.append(self.at(("model", "path"), str(e)))
         for section, key in (("tls", "cert_file"), ("tls", "key_file"), ("cloud", "ca_file")):
@@ -321,6 +329,20 @@ class _Validation:
                 setattr(getattr(spec, section), key, str(p))
             else:
                 self.errors.append(self.at((section, key), f"file {value} does not exist (resolved to {p})"))
+
+    def check_tensor_parallel(self, spec: DeploymentSpec, source: ModelSource) -> None:
+        """Every rank takes whole attention and KV heads; the model's config (not its weights) says how many."""
+        tp = spec.parallel.tensor_parallel
+        if tp == 1 or _is_pruned(("parallel", "tensor_parallel"), self.pruned):
+            return
+        from llmdeploy.engine.estimate import EstimateError, read_model_shape  # torch-free; only when asked
+
+        try:
+            shape = read_model_shape(source)
+        except EstimateError:
+            return  # the engine reports an unreadable model when it loads it
+        if problem := tensor_parallel_problem(tp, shape.num_heads, shape.num_kv_heads):
+            self.errors.append(self.at(("parallel", "tensor_parallel"), problem))
 
     def warnings(self, spec: DeploymentSpec) -> list[SpecIssue]:
         """Legal but risky, or fixed up by apply; never prints a secret, only variable names."""
@@ -366,54 +388,24 @@ def _message(err: dict, loc: Loc) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         name = str(loc[-1])
-        known = sorted(_fields_at(loc[:-1]))
+        known = sorted(fields_at(loc[:-1]))
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         return f"unknown key '{name}'; " + (
             f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
         )
     if kind == "missing":
         return f"required key '{loc[-1]}' is missing"
+    if kind in ("int_type", "int_parsing") and (branches := union_branches(annotation_at(loc))):
+        return "must be " + " or ".join(described(b) for b in branches.values())
     if kind == "model_type":
         return "must be a mapping of keys (a section), not a single value"
     if kind == "literal_error" and isinstance(err.get("input"), str):
-        choices = [str(c) for c in _literal_choices(loc)]
+        choices = [str(c) for c in literal_choices(loc)]
         close = difflib.get_close_matches(err["input"], choices, n=1, cutoff=0.5)
         if close:
             msg += f"; did you mean '{close[0]}'?"
     msg = msg.removeprefix("Value error, ")
     return msg.replace("Input should be", "must be", 1)
-
-
-def _annotation_at(loc: Loc) -> Any:
-    ann: Any = DeploymentSpec
-    for part in loc:
-        ann = _unwrap(ann)
-        if isinstance(part, int):
-            args = typing.get_args(ann)
-            ann = args[0] if args else Any
-        elif isinstance(ann, type) and issubclass(ann, BaseModel) and part in ann.model_fields:
-            ann = ann.model_fields[part].annotation
-        else:
-            return Any
-    return ann
-
-
-def _unwrap(ann: Any) -> Any:
-    """X | None -> X."""
-    if typing.get_origin(ann) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        return args[0] if len(args) == 1 else ann
-    return ann
-
-
-def _fields_at(loc: Loc) -> list[str]:
-    ann = _unwrap(_annotation_at(loc))
-    return list(ann.model_fields) if isinstance(ann, type) and issubclass(ann, BaseModel) else []
-
-
-def _literal_choices(loc: Loc) -> tuple:
-    ann = _unwrap(_annotation_at(loc))
-    return typing.get_args(ann) if typing.get_origin(ann) is Literal else ()
 
 
 def _prune_point(loc: Loc) -> Loc:

@@ -1,4 +1,5 @@
-"""The YAML contract: every setting's name, type and default lives here and nowhere else."""
+"""The YAML contract: every setting's name, type and default lives here and nowhere else (the `parallel:`
+section in parallel.py, the shared base in base.py)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,16 @@ import ipaddress
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmdeploy.policies.capability import Feature
+from llmdeploy.spec.base import RuleError, Section
+from llmdeploy.spec.parallel import ParallelSpec
 
 URL_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._~:-]*$")
 NAME_SAFE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 SHA256_KEY = re.compile(r"^sha256:[0-9a-f]{64}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-class RuleError(ValueError):
-    """A broken cross-field rule. `field` is the key it is reported at and `involves` the other keys it reads
-    (dotted, relative to the model): the loader points at that key's line and stays quiet about a rule fed by
-    a value that is already reported as wrong."""
-
-    def __init__(self, message: str, field: str | None = None, involves: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.field, self.involves = field, involves
-
-
-class Section(BaseModel):
-    # inf and nan are never meant: they would slip past gt=0 and break arithmetic downstream
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSpec(Section):
@@ -148,17 +136,6 @@ class AuthSpec(Section):
         if dupes:
             raise RuleError(f"key names must be unique: {', '.join(dupes)}", "keys")
         return self
-
-
-class ParallelSpec(Section):
-    replicas: int = Field(1, ge=1, description="data-parallel engine copies")
-    tensor_parallel: int = Field(
-        1, ge=1, description="ranks per replica; only 1 runs in this release (validate warns, apply refuses)"
-    )
-    backend: Literal["local", "ray"] = Field(
-        "local", description="local processes; ray (replicas on a Ray cluster) is not supported yet"
-    )
-    ray_address: str | None = Field(None, description="e.g. ray://head:10001 when backend is ray")
 
 
 class EngineSpec(Section):
@@ -440,9 +417,4 @@ def not_yet_supported(spec: DeploymentSpec) -> tuple[tuple[str, ...], str] | Non
     """Legal keys whose values this release cannot run yet: (path, message). validate warns, apply refuses."""
     if spec.parallel.backend != "local":
         return ("parallel", "backend"), "ray is not supported yet; use backend: local"
-    if spec.parallel.tensor_parallel != 1:
-        return (
-            ("parallel", "tensor_parallel"),
-            "values above 1 are not supported by the engine yet; use replicas for more copies",
-        )
     return None

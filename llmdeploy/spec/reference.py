@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from llmdeploy.spec.annotations import plain
 from llmdeploy.spec.models import DeploymentSpec
 
 START = "<!-- yaml-reference:start -->"
@@ -45,6 +46,8 @@ def field_rows(
         yield key, _type_name(info), _default(info), _cell(info.description or "")
         if item is not None:
             yield from field_rows(item, key + "[].")
+        for branch in _section_branches(ann):  # a value or a section (parallel.replicas): the section's keys
+            yield from field_rows(branch, key + ".")
 
 
 def render_reference() -> str:
@@ -86,10 +89,20 @@ def _list_item(ann: Any) -> type[BaseModel] | None:
     return None
 
 
+def _section_branches(ann: Any) -> list[type[BaseModel]]:
+    """The sections among a union's branches (Annotated[...] unwrapped)."""
+    if typing.get_origin(ann) not in (Union, types.UnionType):
+        return []
+    branches = (plain(a) for a in typing.get_args(ann))
+    return [b for b in branches if isinstance(b, type) and issubclass(b, BaseModel)]
+
+
 def _type_name(info: FieldInfo) -> str:
     ann = info.annotation
     nullable = typing.get_origin(ann) in (Union, types.UnionType) and type(None) in typing.get_args(ann)
     ann = _optional_inner(ann)
+    if _section_branches(ann):  # e.g. `integer, >= 1, or {min, max, ...}`
+        return ", or ".join(_branch_name(a) for a in typing.get_args(ann)) + (" or null" if nullable else "")
     if typing.get_origin(ann) is Literal:
         name = " \\| ".join(f"`{a}`" for a in typing.get_args(ann))
     elif _list_item(ann) is not None:
@@ -102,6 +115,14 @@ def _type_name(info: FieldInfo) -> str:
     if bounds:
         name += ", " + ", ".join(bounds)
     return name + (" or null" if nullable else "")
+
+
+def _branch_name(ann: Any) -> str:
+    """One branch of a union: a section by its keys, a value like a field of that type."""
+    inner = plain(ann)
+    if isinstance(inner, type) and issubclass(inner, BaseModel):
+        return "{" + ", ".join(inner.model_fields) + "}"
+    return _type_name(FieldInfo.from_annotation(ann))
 
 
 def _default(info: FieldInfo) -> str:

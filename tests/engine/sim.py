@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 from llmdeploy.engine.block_manager import BlockManager
+from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.sampling_params import SamplingParams
 from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
 from llmdeploy.engine.sequence import Sequence
@@ -26,9 +27,17 @@ class VirtualClock:
 def make_scheduler(
     num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256, **kw
 ):
-    bm = BlockManager(num_blocks, block_size, kw.pop("prefix_caching", True))
+    config = EngineConfig(
+        model="sim",  # never loaded: the scheduler reads the batch limits only
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        prefix_caching=kw.pop("prefix_caching", True),
+    )
+    bm = BlockManager(num_blocks, config.block_size, config.prefix_caching)
     kw.setdefault("clock", VirtualClock())
-    return Scheduler(bm, max_num_seqs, max_num_batched_tokens, max_model_len, **kw)
+    return Scheduler(bm, config, **kw)
 
 
 def seq(n_prompt: int, max_tokens: int = 4, n: int = 1, start: int = 0, rid: str = "") -> Sequence:

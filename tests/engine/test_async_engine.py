@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from llmdeploy.engine import AsyncLLMEngine, EngineConfig, SamplingParams
 from llmdeploy.engine.errors import ContextLengthError, ParamError, RequestFailedError
+from llmdeploy.engine.llm_engine import LLMEngine
 from tests.engine.test_engine_parity import hf_greedy, prompts
 
 LOAD_KEYS = {
@@ -257,6 +259,24 @@ def test_load_counts_waiting_work(tiny_llama):
     assert engine.load()["running"] == 1
 
 
+def test_fail_ends_requests_with_an_error_and_frees_their_blocks(tiny_llama):
+    from llmdeploy.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01))
+    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=20))
+    engine.add_request("b", list(range(5, 30)), SamplingParams(max_tokens=20))
+    engine.step()
+    assert engine.fail("a", ValueError("boom")) and not engine.fail("a", ValueError("again"))
+    [(rid, err)] = engine.pop_failures()
+    assert rid == "a" and isinstance(err, RequestFailedError) and "ValueError: boom" in str(err)
+    assert "a" not in engine.requests and engine.stats().num_requests_failed == 1
+    down = RequestFailedError("the engine is down")
+    engine.fail_all(down)
+    assert engine.pop_failures() == [("b", down)] and engine.stats().num_requests_failed == 2
+    bm = engine.block_manager
+    assert not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
 def test_shutdown_fails_open_streams(tiny_llama):
     engine = AsyncLLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01))
 
@@ -271,3 +291,39 @@ def test_shutdown_fails_open_streams(tiny_llama):
         return engine.load()["ready"]
 
     assert run(main()) is False
+
+
+def test_an_abort_during_the_forward_fails_nothing_else(tiny_llama):
+    """The forward runs outside the engine's lock, so an abort then frees the request's blocks at once. The step's
+    inputs must be read from the block tables before: a decode's slot read after the abort raised IndexError and
+    failed the whole batch (found by the 1,000-request mixed run with cancellations)."""
+    eng = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kept = prompts(1, seed=24)[0]
+    eng.add_request("stays", kept, params)
+    eng.add_request("leaves", [4, 5, 6], params)
+    eng.step()  # both prompts computed: the next step decodes both
+    original = eng.runner.run
+
+    def abort_mid_forward(batch, *a, **kw):
+        other = threading.Thread(
+            target=eng.abort, args=("leaves",)
+        )  # the server's thread, as on a disconnect
+        other.start()
+        other.join(10)
+        return original(batch, *a, **kw)
+
+    eng.runner.run = abort_mid_forward
+    finished = {}
+    for _ in range(50):
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if not eng.has_unfinished():
+            break
+    assert not eng.pop_failures() and eng.stats().num_requests_failed == 0
+    assert list(finished) == ["stays"] and finished["stays"].outputs[0].token_ids == hf_greedy(
+        tiny_llama, kept, 6
+    )
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -82,6 +83,8 @@ def test_engine_config_from_spec_uses_the_yaml_names():
         c.prefix_caching,
         c.seed,
     ) == ("/m", "bfloat16", 4096, 32, 8, 512, 2.5, False, 7)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # built once, the same settings for every part
+        c.block_size = 16  # type: ignore[misc]
 
 
 def test_engine_config_rejects_what_the_yaml_rejects():

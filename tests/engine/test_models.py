@@ -187,6 +187,7 @@ def test_mixed_step_prefill_chunk_with_decodes(model_dir, case):
 
 
 @pytest.mark.slow  # not a real model, but inductor's first compile takes 10-30 s on 2 cores (minutes under load)
+@pytest.mark.full  # CI's time budget: scripts/test.sh -m full (compile is off by default)
 @pytest.mark.parametrize("case", ["llama", "qwen3"])
 def test_compiled_layers_match_transformers(model_dir, monkeypatch, tmp_path, case):
     """engine.compile: regional torch.compile over the oneDNN-packed projections (an opaque custom op), the

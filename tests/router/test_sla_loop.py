@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
+from llmdeploy.policies.overflow import interpolate
 from tests.helpers.procs import ServerProcess, free_port
 from tests.router.conftest import ALIAS, CLIENT_KEY, cloud_url, make_spec
 
@@ -137,7 +138,11 @@ def test_load_reports_the_step_model_and_decode_steps_by_batch(real_engine):
         )
     load = httpx.get(f"{real_engine}/load", timeout=10).json()
     cost = load["step_cost"]
-    assert cost["fixed_ms"] > 0 and cost["prefill_token_ms"] >= 0 and cost["decode_seq_ms"] >= 0
+    assert cost["fixed_ms"] >= 0 and cost["prefill_token_ms"] >= 0 and cost["decode_seq_ms"] >= 0
+    # a noisy machine can pin the intercept at zero (the fit keeps coefficients >= 0); a step still costs time
+    assert (
+        cost["fixed_ms"] + cost["decode_seq_ms"] > 0 and cost["fixed_ms"] + 8 * cost["prefill_token_ms"] > 0
+    )
     assert "1" in load["decode_step_ms_by_batch"] or "2" in load["decode_step_ms_by_batch"]
     ladder = load["ttft_ms_by_prompt_len"]
     assert ladder[-1][0] == load["max_model_len"] and all(
@@ -151,9 +156,15 @@ def test_without_cloud_a_burst_past_the_wait_bound_is_shed_at_once(fakes, start_
     """Issue 14 item 5: with no cloud to spill to, requests whose predicted wait is over routing.local_wait_s get
     503 with Retry-After up front instead of queueing without bound; the rest are served."""
     rng = random.Random(5)
-    t900 = max(engine_ttft_ms(real_engine, 900, rng) for _ in range(3))
+    for _ in range(3):  # calibrates the engine's step model at this prompt size
+        engine_ttft_ms(real_engine, 900, rng)
+    # The bound sits between the engine's own predictions for one such prompt and for twelve: measured TTFTs
+    # on a busy 2-core machine scatter over 20x, so a bound taken from them could fall outside that range.
+    points = tuple(tuple(p) for p in httpx.get(f"{real_engine}/load").json()["ttft_ms_by_prompt_len"])
+    bound_ms = interpolate(points, 4 * 900)
+    assert bound_ms > interpolate(points, 900), points
     spec = make_spec(
-        None, sla={"ttft_p99_ms": LOOSE, "tpot_p99_ms": LOOSE}, routing={"local_wait_s": 2.5 * t900 / 1e3}
+        None, sla={"ttft_p99_ms": LOOSE, "tpot_p99_ms": LOOSE}, routing={"local_wait_s": bound_ms / 1e3}
     )
     rs = start_router(spec, [real_engine])
     bodies = [completion(900, rng, 2) for _ in range(12)]

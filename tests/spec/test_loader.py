@@ -68,10 +68,15 @@ def test_example_sets_and_comments_every_key():
                 return False
         return True
 
-    # key and key_env exclude each other: the example shows key as a comment
-    missing = [k for k, *_ in field_rows() if not present(k) and k != "auth.keys[].key"]
+    # key and key_env exclude each other, and so do a replica count and a range: the example shows the second
+    # of each as a comment
+    ranged = "parallel.replicas."
+    missing = [
+        k for k, *_ in field_rows() if not present(k) and k != "auth.keys[].key" and not k.startswith(ranged)
+    ]
     assert missing == []
     assert "# key: sha256:" in EXAMPLE.read_text()
+    assert "# replicas: {min: 1, max: 4, scale_up_after_s: 30, cool_down_s: 300}" in EXAMPLE.read_text()
     for n, line in enumerate(EXAMPLE.read_text().splitlines(), 1):
         code = line.split("#", 1)[0]
         if code.strip() and ":" in code:
@@ -109,6 +114,20 @@ def test_example_sets_and_comments_every_key():
         ("rollout: {canary_percent: 101}\n", "rollout.canary_percent", "less than or equal to 100"),
         ("rollout: {canary_percent: -1}\n", "rollout.canary_percent", "greater than or equal to 0"),
         ("parallel: {replicas: 0}\n", "parallel.replicas", "greater than or equal to 1"),
+        ("parallel:\n  replicas: {min: 3, max: 2}\n", "parallel.replicas.min", "min (3) must be <= max (2)"),
+        ("parallel:\n  replicas: {min: 2}\n", "parallel.replicas.max", "required key 'max' is missing"),
+        ("parallel:\n  replicas: {max: 2, min: 0}\n", "parallel.replicas.min", "greater than or equal to 1"),
+        (
+            "parallel:\n  replicas: {max: 2, cool_down_s: 0}\n",
+            "parallel.replicas.cool_down_s",
+            "greater than 0",
+        ),
+        (
+            "parallel:\n  replicas: {max: 2, scale_up_after: 5}\n",
+            "parallel.replicas.scale_up_after",
+            "did you mean 'scale_up_after_s'?",
+        ),
+        ("parallel: {replicas: many}\n", "parallel.replicas", "must be an integer or a mapping {min, max,"),
         ("auth:\n  keys:\n    - {name: app, key: abc123}\n", "auth.keys[0].key", "must be hashed as sha256:"),
         (
             "auth:\n  keys:\n    - {name: app, key_env: K, key: '" + HASH + "'}\n",
@@ -432,8 +451,27 @@ def test_issue_format():
 
 
 def test_values_this_release_cannot_run_are_warned_at_their_line():
-    text = "name: tp\nparallel:\n  tensor_parallel: 2\n"
-    result = load_spec_text(text, "tp.yaml", env={})
+    text = "name: r\nparallel:\n  backend: ray\n  ray_address: ray://h:1\n"
+    result = load_spec_text(text, "r.yaml", env={})
     assert result.spec is not None and not result.errors
-    (warning,) = [w for w in result.warnings if w.path == "parallel.tensor_parallel"]
+    (warning,) = [w for w in result.warnings if w.path == "parallel.backend"]
     assert (warning.line, warning.col) == (3, 3) and "apply refuses it" in warning.message
+
+
+def test_replicas_take_a_range_and_a_count_stays_the_plain_integer_it_was():
+    text = "parallel:\n  replicas:\n    min: 1\n    max: 4\n    cool_down_s: 5\n"
+    ranged = load(text).spec
+    assert ranged is not None and str(ranged.parallel.replicas) == "1-4 (autoscaled)"
+    assert (ranged.parallel.initial_replicas, ranged.parallel.max_replicas) == (1, 4)
+    assert ranged.parallel.autoscale.scale_up_after_s == 30.0 and ranged.parallel.autoscale.cool_down_s == 5.0
+    fixed = load("parallel: {replicas: 3}\n").spec
+    assert fixed.parallel.autoscale is None and (
+        fixed.parallel.initial_replicas,
+        fixed.parallel.max_replicas,
+    ) == (3, 3)
+    assert fixed.model_dump(mode="json")["parallel"]["replicas"] == 3  # revision hashes of old specs hold
+
+
+def test_range_errors_point_at_their_line():
+    e = only_error("name: x\nparallel:\n  replicas:\n    min: 5\n    max: 2\n")
+    assert (e.path, e.line, e.col) == ("parallel.replicas.min", 4, 5)

@@ -4,6 +4,7 @@ SmolLM2 (Llama with tied embeddings). q/k/v and gate/up are fused into one proje
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,6 +18,8 @@ from llmdeploy.engine.models.layers import (
     quantize_linears,
     silu_and_mul,
 )
+from llmdeploy.engine.parallel.group import all_reduce
+from llmdeploy.engine.parallel.shard import Shard, Split
 from llmdeploy.engine.rope import build_cos_sin_cache
 from llmdeploy.kernels import cpu_native, get_ops
 
@@ -29,6 +32,16 @@ STACKED = {
     "up_proj": ("gate_up_proj", "up"),
 }
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# checkpoint projection -> how tensor parallelism splits it (parallel/shard.py); everything else is replicated
+SPLITS: dict[str, Split] = {
+    "q_proj": "column",
+    "k_proj": "column",
+    "v_proj": "column",
+    "gate_proj": "column",
+    "up_proj": "column",
+    "o_proj": "row",
+    "down_proj": "row",
+}
 
 
 # what the layers rotate q and k with: the whole cos/sin table (backends with their own rotary op) or this step's
@@ -76,17 +89,32 @@ def opaque_to_compile() -> None:
             g[name] = torch.compiler.disable(g[name])
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """What sets the family's members and a tensor-parallel rank's layers apart, handed down to every layer."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    shard: Shard = Shard()  # this rank's part (the embedding and the head stay whole)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, backend: str, options: LayerOptions):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        shard, qk_norm = options.shard, options.qk_norm
+        self.num_heads = shard.part(config.num_attention_heads, "attention heads")  # this rank's heads
+        self.num_kv_heads = shard.part(config.num_key_value_heads, "KV heads")
+        self.tp_size = shard.size
         self.head_dim = head_dim_of(config)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.ops = get_ops(backend)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=options.qkv_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=options.o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.ops) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.ops) if qk_norm else None
         self.attn = PagedAttention(
@@ -100,7 +128,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
         if self.q_norm is None and rope_and_store(self.attn, qkv, h, hkv, rope, meta):
             # float32 on CPU: q and k rotated in place and k, v stored by one native call; attention only reads
-            return self.o_proj(attend(self.attn, qkv[:, :h], meta).view(-1, self.q_size))
+            out = self.o_proj(attend(self.attn, qkv[:, :h], meta).view(-1, self.q_size))
+            return out if self.tp_size == 1 else all_reduce(out)
         q, k, v = qkv.split([h, hkv, hkv], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -111,26 +140,29 @@ class LlamaAttention(nn.Module):
             qk = self.ops.apply_rotary(qk, *rope)
             q, k = qk[:, :h], qk[:, h:]
         o = paged_attention(self.attn, q, k, v, meta)
-        return self.o_proj(o.view(-1, self.q_size))
+        out = self.o_proj(o.view(-1, self.q_size))
+        return out if self.tp_size == 1 else all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool):
+    def __init__(self, config: PretrainedConfig, bias: bool, shard: Shard = Shard()):
         super().__init__()
-        size = config.intermediate_size
+        size = shard.part(config.intermediate_size, "MLP rows (intermediate_size)")
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.tp_size = shard.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp_size == 1 else all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, backend: str, options: LayerOptions):
         super().__init__()
         ops = get_ops(backend)
-        self.self_attn = LlamaAttention(config, backend, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, backend, options)
+        self.mlp = LlamaMLP(config, getattr(config, "mlp_bias", False), options.shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -149,12 +181,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: str, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, backend: str, options: LayerOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qkv_bias, o_bias, qk_norm)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, options) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, get_ops(backend))
 
@@ -174,14 +205,20 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config: PretrainedConfig, backend: str = "torch", max_positions: int | None = None):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        backend: str = "torch",
+        max_positions: int | None = None,
+        shard: Shard = Shard(),
+    ):
+        """`shard`: this rank's part under tensor parallelism (the embedding and the head stay whole)."""
         super().__init__()
         self.config = config
         self.max_positions = max_positions or config.max_position_embeddings
         attention_bias = getattr(config, "attention_bias", False)
-        self.model = LlamaModel(
-            config, backend, self.qkv_bias or attention_bias, attention_bias, self.qk_norm
-        )
+        options = LayerOptions(self.qkv_bias or attention_bias, attention_bias, self.qk_norm, shard)
+        self.model = LlamaModel(config, backend, options)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tie_word_embeddings:
@@ -221,6 +258,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    @staticmethod
+    def split_of(name: str) -> Split | None:
+        """How tensor parallelism splits the checkpoint tensor `name` (None: every rank holds all of it)."""
+        module_name = name.rpartition(".")[0]
+        return SPLITS.get(module_name.rpartition(".")[2])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF checkpoint names -> this module's parameters; raises if any parameter was left unloaded."""
