@@ -37,7 +37,7 @@ EOF
 
 .venv/bin/python tests/helpers/fake_cloud.py --port "$CLOUD_PORT" >"$OUT/fake_cloud.log" 2>&1 &
 CLOUD_PID=$!
-trap '$LD down sla-bench >/dev/null 2>&1 || true; kill $CLOUD_PID 2>/dev/null || true' EXIT
+trap '$LD down --name sla-bench >/dev/null 2>&1 || true; kill $CLOUD_PID 2>/dev/null || true' EXIT
 for _ in $(seq 50); do curl -sf "http://127.0.0.1:$CLOUD_PORT/_stats" >/dev/null && break; sleep 0.2; done
 curl -sf -X POST "http://127.0.0.1:$CLOUD_PORT/_control" -H 'Content-Type: application/json' \
   -d '{"delay_s": 0.3, "chunk_delay_s": 0.02}' >/dev/null
