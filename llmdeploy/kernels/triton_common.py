@@ -58,6 +58,8 @@ def dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+# Deliberately long call sites: a Triton jit helper takes scalars, pointers and constexprs, never a struct, so
+# each caller (decode once, prefill twice) spells the same argument list out.
 @triton.jit
 def attend_paged(
     acc,

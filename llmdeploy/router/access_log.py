@@ -1,4 +1,5 @@
-"""One access-log line per request (DESIGN rule 6): ids, key name, backend, revision, status, tokens, timings.
+"""One access-log line per request (docs/ARCHITECTURE.md §3.6): ids, key name, backend, revision, status,
+tokens, timings.
 
 Never a key. Prompt and completion text only when `logging.bodies` is on.
 """

@@ -1,6 +1,7 @@
 """Turning an HTTP request into a checked OpenAI request: body size, JSON, alias, schema, size estimates.
 
-Order (DESIGN rule 1) is kept by the caller: auth, then these, then the rate limit.
+The admission order (docs/ARCHITECTURE.md §3.1) is kept by the caller: auth, then these, then the rate
+limit.
 """
 
 from __future__ import annotations
