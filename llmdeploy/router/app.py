@@ -301,8 +301,9 @@ class Router:
             pinned = parse_pinned(request.headers.get(PIN_HEADER))
         except ValueError as exc:
             raise rq.rejected(400, "invalid_revision", str(exc), param=PIN_HEADER) from None
+        prompt_tokens = rq.estimate_prompt_tokens(req)
         return RequestFacts(
-            prompt_tokens=rq.estimate_prompt_tokens(req),
+            prompt_tokens=prompt_tokens,
             prompt=rq.prompt_shape(req),
             prefix_key=rq.prefix_key(req),
             max_tokens=rq.planned_output_tokens(req),
@@ -311,7 +312,7 @@ class Router:
             header_allows_cloud=header_allows_cloud(request.headers.get(ALLOW_CLOUD_HEADER)),
             sticky_value=request.headers.get(self.settings.sticky_header),
             pinned_revision=pinned,
-            needs=capability.needs_of(req, rq.estimate_prompt_tokens(req)),
+            needs=capability.needs_of(req, prompt_tokens),
         )
 
     async def _decide(self, s: Settings, facts: RequestFacts) -> Decision:
