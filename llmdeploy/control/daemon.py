@@ -26,6 +26,7 @@ from llmdeploy.control.errors import ControlError
 from llmdeploy.control.listener import open_admin_listener
 from llmdeploy.control.paths import DeploymentPaths, home
 from llmdeploy.control.state import StateStore
+from llmdeploy.openai_api import event_loop
 
 log = logging.getLogger("llmdeploy.daemon")
 EXIT_ALREADY_RUNNING = 3
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     paths = DeploymentPaths.of(args.name).create()
     setup_logging()
-    return asyncio.run(run_daemon(paths))
+    return event_loop.run(run_daemon(paths))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ ENGINE_BODY_FACTOR = 4  # the router re-encodes bodies with \u escapes: up to ~3
 MIN_ENGINE_BODY_BYTES = 32 * 1024 * 1024
 
 
-def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> list[str]:
+def engine_command(
+    spec: DeploymentSpec, port: int, drain_s: float = 20.0, host: str = "127.0.0.1"
+) -> list[str]:
+    """host: loopback for a local replica; a Ray node's own IP for a replica placed there."""
     m, e = spec.model, spec.engine
     cmd = [
         sys.executable,
@@ -21,7 +24,7 @@ def engine_command(spec: DeploymentSpec, port: int, drain_s: float = 20.0) -> li
         "--served-alias",
         m.served_alias,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--dtype",

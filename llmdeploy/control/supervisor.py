@@ -1,23 +1,20 @@
-"""Engine child processes: one `python -m llmdeploy.engine` per replica on a free loopback port.
+"""Engine replicas: one `python -m llmdeploy.engine` each, started by the launcher of the revision's backend
+(control/launch.py: a child process on a loopback port, or a Ray actor's child on a node).
 
 Each replica has a monitor task: it polls /health (readiness), restarts a crashed engine with exponential
 backoff (the replica is unready meanwhile, so the router sends its share elsewhere), and gives up on a
-revision whose engines crash before ever becoming ready. Engines run in their own session so they outlive a
-killed daemon; pid + port are recorded in state.db and the next daemon re-adopts them when /proc shows the
-same process (our owner tag in its environment) and /health answers.
-
-Each engine gets the deployment's internal token in its environment (never on its command line, in state.db or
-in status): it then serves only requests that carry it, which the router sends. The token is made when the
-daemon starts; an engine re-adopted from an earlier daemon keeps its own, read back from its environment.
+revision whose engines crash before ever becoming ready. Local engines run in their own session so they outlive
+a killed daemon; pid + port are recorded in state.db and the next daemon re-adopts them when /proc shows the
+same process (our owner tag in its environment) and /health answers. Ray replicas end with the daemon's Ray job
+and are started again. Each engine gets the deployment's internal token in its environment (never on its command
+line, in state.db or in status) and serves only requests that carry it; an adopted engine keeps its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,14 +22,13 @@ from typing import Any
 
 import httpx
 
-from llmdeploy.control.engine_args import engine_command
 from llmdeploy.control.engine_logs import kv_tokens_from_log, log_tail
-from llmdeploy.control.keys import referenced_env
+from llmdeploy.control.launch import LOOPBACK, EngineHandle, EngineJob, StartFailed
+from llmdeploy.control.launchers import Launchers
 from llmdeploy.control.paths import DeploymentPaths
 from llmdeploy.control.processes import (  # noqa: F401 -- pid_alive, stop_recorded_engines: used via this module
     OWNER_ENV,
     engine_token,
-    free_port,
     is_our_engine,
     owner_tag,
     pid_alive,
@@ -65,9 +61,10 @@ class Replica:
     revision: int
     name: str
     spec: DeploymentSpec
+    host: str = LOOPBACK  # a Ray node's IP for a replica placed there
     port: int = 0
-    pid: int | None = None
-    proc: subprocess.Popen | None = None  # None when adopted from an earlier daemon
+    pid: int | None = None  # on the engine's machine
+    handle: EngineHandle | None = None  # this start's engine: alive?, how it ended, stop
     ready: bool = False
     ever_ready: bool = False
     failed: bool = False
@@ -86,7 +83,7 @@ class Replica:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -114,6 +111,7 @@ class Supervisor:
         self.replicas: dict[int, list[Replica]] = {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), trust_env=False)
         self.token = secrets.token_urlsafe(32)  # this daemon's engines' internal token
+        self.launchers = Launchers(str(paths.root))
         self.failed_adds: dict[int, float] = {}  # revision -> when an added replica last gave up (monotonic)
         # removed replicas still stopping: their names stay taken until they have exited
         self._draining: set[tuple[int, str]] = set()
@@ -133,10 +131,11 @@ class Supervisor:
     def start_revision(self, revision: int, spec: DeploymentSpec, adopt: list[EngineRecord] = ()) -> None:
         if revision in self.replicas:  # already supervised: a second set of monitors would fight the first
             return
+        adopts = self.launchers.for_spec(spec).adopts
         records = {
             rec.replica: rec
             for rec in adopt  # only live engines: an added replica whose engine is gone is not restarted
-            if is_our_engine(rec.pid, rec.port, owner_tag(self.paths, revision, rec.replica))
+            if adopts and is_our_engine(rec.pid, rec.port, owner_tag(self.paths, revision, rec.replica))
         }
         self.replicas[revision] = []
         for i, name in enumerate(_replica_names(spec, records)):
@@ -190,6 +189,7 @@ class Supervisor:
 
     async def close(self, drain_s: float = 20.0) -> None:
         await asyncio.gather(*(self.stop_revision(rev, drain_s) for rev in list(self.replicas)))
+        await self.launchers.close()
         await self.http.aclose()
 
     async def detach(self) -> None:
@@ -201,28 +201,34 @@ class Supervisor:
         await self.http.aclose()
 
     async def _stop(self, r: Replica, drain_s: float) -> None:
-        if r.pid is not None:
-            await asyncio.to_thread(terminate, r.pid, drain_s)
-        self.store.forget_engine(r.revision, r.name)
+        if r.handle is not None:
+            await r.handle.stop(drain_s)
+        await self._forget(r)
         r.phase = "stopped"
+
+    async def _forget(self, r: Replica) -> None:
+        """The replica is gone for good: its record and its launcher's reservation."""
+        self.store.forget_engine(r.revision, r.name)
+        await self.launchers.for_spec(r.spec).release(r.revision, r.name)
 
     # the monitor loop of one replica
     async def _supervise(self, r: Replica, record: EngineRecord | None) -> None:
         try:
             if record and is_our_engine(record.pid, record.port, owner_tag(self.paths, r.revision, r.name)):
+                r.handle = self.launchers.for_spec(r.spec).adopt(record.pid, record.port)
                 r.pid, r.port, r.phase = record.pid, record.port, "adopted"
                 r.restarts, r.token = record.restarts, engine_token(record.pid)
                 self.event(
                     "engine-adopted", f"re-adopted engine {r.name} (pid {r.pid}, port {r.port})", r.revision
                 )
             else:
-                self._spawn(r)
+                await self._spawn(r)
             unhealthy = 0
             while not r.stopping:
-                if not self._alive(r) or self._start_timed_out(r):
+                if not await self._alive(r) or self._start_timed_out(r):
                     if not await self._after_exit(r):
                         return
-                    self._spawn(r)
+                    await self._spawn(r)
                     unhealthy = 0
                     continue
                 healthy = await self._probe(r)
@@ -248,56 +254,47 @@ class Supervisor:
             r.failed, r.ready, r.phase = True, False, "supervisor error"
             self.on_change()
 
-    def _spawn(self, r: Replica) -> None:
-        r.port = free_port()
-        secrets = set(referenced_env(r.spec))  # engines need none of the keys the router reads
-        env = {k: v for k, v in os.environ.items() if k not in secrets}
-        env[OWNER_ENV] = owner_tag(self.paths, r.revision, r.name)
-        env[ENGINE_TOKEN_ENV] = r.token = self.token
+    async def _spawn(self, r: Replica) -> None:
+        launcher = self.launchers.for_spec(r.spec)
+        env = {OWNER_ENV: owner_tag(self.paths, r.revision, r.name), ENGINE_TOKEN_ENV: self.token}
         log_path = self.paths.engine_log(r.revision, r.name)
-        with open(log_path, "ab") as out:
-            out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting on port {r.port}\n".encode())
-            out.flush()
-            r.log_offset, r.kv_tokens = out.tell(), None
-            r.proc = subprocess.Popen(
-                engine_command(r.spec, r.port),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                cwd=self.paths.root,
-            )
-        r.pid, r.started, r.ready, r.phase = r.proc.pid, time.monotonic(), False, "loading weights"
-        self.store.record_engine(r.revision, r.name, r.pid, r.port, r.restarts)
-        log.info("engine rev %s %s started: pid %s port %s", r.revision, r.name, r.pid, r.port)
+        job = EngineJob(r.revision, r.name, r.spec, env, log_path, self.paths.root)
+        r.token, r.handle, r.kv_tokens = self.token, None, None
+        phase = "loading weights" if launcher.adopts else "placing"  # Ray: waiting for the reservation
+        r.started, r.ready, r.phase = time.monotonic(), False, phase
+        try:
+            handle = await launcher.start(job, lambda h: setattr(r, "handle", h))
+        except Exception as e:  # e.g. Ray cannot place it: counted and retried like a crash
+            log.warning("engine rev %s %s could not start: %s", r.revision, r.name, e)
+            if r.handle is not None:
+                await r.handle.stop(2.0)
+            r.handle = StartFailed(str(e) or type(e).__name__)
+            return
+        r.host, r.port, r.pid, r.handle = handle.host, handle.port, handle.pid, handle
+        r.log_offset = log_path.stat().st_size if log_path.exists() else 0
+        r.started, r.phase = time.monotonic(), "loading weights"
+        if launcher.adopts:  # a Ray replica ends with the daemon: nothing to re-adopt
+            self.store.record_engine(r.revision, r.name, r.pid, r.port, r.restarts)
+        log.info("engine rev %s %s started: pid %s at %s:%s", r.revision, r.name, r.pid, r.host, r.port)
 
-    def _alive(self, r: Replica) -> bool:
-        if r.proc is not None:
-            return r.proc.poll() is None
-        return r.pid is not None and pid_alive(r.pid)
+    async def _alive(self, r: Replica) -> bool:
+        return r.handle is not None and await r.handle.alive()
 
     def _start_timed_out(self, r: Replica) -> bool:
         return not r.ever_ready and not r.ready and time.monotonic() - r.started > START_TIMEOUT_S
 
-    def _exit_description(self, r: Replica) -> str:
-        if r.proc is None or r.proc.returncode is None:
-            return "exited" if r.proc is None else "did not become ready in time"
-        code = r.proc.returncode
-        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-
     async def _after_exit(self, r: Replica) -> bool:
         """Record the crash, wait the backoff; False when the replica gives up."""
-        how = self._exit_description(r)
-        if r.pid is not None and self._alive(r):  # hung at start: kill it before restarting
-            await asyncio.to_thread(terminate, r.pid, 2.0)
+        how = r.handle.exit_description() if r.handle else "exited"
+        if await self._alive(r):  # hung at start: kill it before restarting
+            await r.handle.stop(2.0)  # type: ignore[union-attr]
         was_ready = r.ready
         r.ready, r.crashes = False, r.crashes + 1
         if was_ready:
             self.on_change()
         tail = log_tail(self.paths.engine_log(r.revision, r.name))
         if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY and r.added:
-            self._drop_added(r, how, tail)
+            await self._drop_added(r, how, tail)
             return False
         if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY:
             r.failed, r.phase = True, f"failed: {how}"
@@ -307,7 +304,7 @@ class Supervisor:
                 r.revision,
                 {"pid": r.pid, "log_tail": tail},
             )
-            self.store.forget_engine(r.revision, r.name)
+            await self._forget(r)
             self.on_change()
             return False
         delay = backoff_s(r.crashes)
@@ -329,7 +326,7 @@ class Supervisor:
         r.restart_pending = True
         return not r.stopping
 
-    def _drop_added(self, r: Replica, how: str, tail: str) -> None:
+    async def _drop_added(self, r: Replica, how: str, tail: str) -> None:
         """An added replica that never became ready leaves the revision, which keeps serving without it."""
         reps = self.replicas.get(r.revision, [])
         if r in reps:
@@ -343,7 +340,7 @@ class Supervisor:
             r.revision,
             {"pid": r.pid, "log_tail": tail},
         )
-        self.store.forget_engine(r.revision, r.name)
+        await self._forget(r)
         self.on_change()
 
     async def _probe(self, r: Replica) -> bool:

@@ -5,16 +5,11 @@
 
 from __future__ import annotations
 
-import json
-import math
-import struct
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-from llmdeploy.engine.model_shape import ModelShape
+from llmdeploy.spec.model_shape import ModelShape, ModelShapeError, read_model_shape
 from llmdeploy.spec.models import DeploymentSpec
-from llmdeploy.spec.sources import ModelSource, ModelSourceError, resolve_model_source
+from llmdeploy.spec.sources import ModelSourceError, resolve_model_source
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,79 +44,6 @@ class Estimate:
     def max_model_len_seqs(self) -> int:
         """How many sequences of the full max_model_len fit in the KV cache at once."""
         return self.kv_tokens // self.max_model_len
-
-
-def read_model_shape(source: ModelSource) -> ModelShape:
-    try:
-        return read_gguf_shape(source.path) if source.kind == "gguf" else read_hf_shape(source.path)
-    except EstimateError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        raise EstimateError(f"cannot read the shape of {source.display}: {e}") from e
-
-
-def read_hf_shape(folder: Path) -> ModelShape:
-    config = json.loads((folder / "config.json").read_text())
-    config = config.get("text_config", config)  # multimodal configs nest the language model
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    files = sorted(folder.glob("*.safetensors"))
-    return ModelShape(
-        model_type=str(config.get("model_type", "?")),
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        hidden_size=hidden,
-        vocab_size=int(config["vocab_size"]),
-        max_position_embeddings=config.get("max_position_embeddings"),
-        num_params=sum(_safetensors_params(f) for f in files),
-        file_bytes=sum(f.stat().st_size for f in files),
-    )
-
-
-def _safetensors_params(path: Path) -> int:
-    """Element count from the file's JSON header (8-byte little-endian length, then JSON); no tensor data read."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 1024 * 1024:
-            raise EstimateError(f"{path} has an implausible safetensors header ({n} bytes)")
-        header = json.loads(f.read(n))
-    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-
-
-def read_gguf_shape(path: Path) -> ModelShape:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-
-    def get(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        if hasattr(f, "contents"):
-            return f.contents()
-        return f.parts[f.data[0]].tolist()[0]  # gguf < 0.11
-
-    arch = get("general.architecture")
-    if arch is None:
-        raise EstimateError(f"{path} has no general.architecture in its GGUF metadata")
-    heads = int(get(f"{arch}.attention.head_count"))
-    hidden = int(get(f"{arch}.embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
-    return ModelShape(
-        model_type=str(arch),
-        num_layers=int(get(f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(get(f"{arch}.attention.key_length") or hidden // heads),
-        hidden_size=hidden,
-        vocab_size=int(vocab),
-        max_position_embeddings=get(f"{arch}.context_length"),
-        num_params=sum(math.prod(int(d) for d in t.shape) for t in reader.tensors),
-        file_bytes=path.stat().st_size,
-    )
 
 
 def estimate(
@@ -196,9 +118,10 @@ def estimate_spec(spec: DeploymentSpec) -> Estimate:
     """Read the model's shape (spec.model.path is absolute after load_spec_file) and estimate for this machine."""
     try:
         source = resolve_model_source(spec.model.path)
-    except ModelSourceError as e:
+        shape = read_model_shape(source)
+    except (ModelSourceError, ModelShapeError) as e:
         raise EstimateError(str(e)) from e
     from llmdeploy.engine.cpu_dtype import bf16_flag, cpu_flags
 
     device, gpu_total = resolve_device(spec)
-    return estimate(spec, read_model_shape(source), device, gpu_total, bf16_flag(cpu_flags()))
+    return estimate(spec, shape, device, gpu_total, bf16_flag(cpu_flags()))

@@ -18,7 +18,6 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
-from llmdeploy.engine.model_shape import ModelShape
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import onednn_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
@@ -26,6 +25,7 @@ from llmdeploy.engine.parallel.shard import Shard, shard_picker
 from llmdeploy.engine.rope import rope_inv_freq
 from llmdeploy.engine.weights_cache import cache_root, ensure_converted
 from llmdeploy.kernels import resolve_backend
+from llmdeploy.spec.model_shape import ModelShape
 from llmdeploy.spec.sources import ModelSource, resolve_model_source
 
 log = logging.getLogger(__name__)

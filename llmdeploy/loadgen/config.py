@@ -125,8 +125,9 @@ class _SpecDefaults:
 
 def spec_defaults(path: Path, environ: Mapping[str, str], notes: list[str]) -> _SpecDefaults:
     """The SLA (always through llmdeploy.spec's loader) and, from a valid spec, how to reach the deployment."""
+    from llmdeploy.spec.addresses import split_listen
     from llmdeploy.spec.loader import SpecFileError, load_spec_file
-    from llmdeploy.spec.models import SLASpec, split_listen
+    from llmdeploy.spec.models import SLASpec
 
     try:
         result = load_spec_file(path, env=environ)

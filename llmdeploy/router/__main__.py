@@ -17,11 +17,12 @@ import sys
 
 import uvicorn
 
+from llmdeploy.openai_api import event_loop
 from llmdeploy.openai_api.guard import HTTPLimits, add_http_limit_args, uvicorn_settings
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.router.app import create_router
 from llmdeploy.router.table import EngineEndpoint, RevisionRoute, RoutingTable
-from llmdeploy.spec.models import is_loopback
+from llmdeploy.spec.addresses import is_loopback
 
 log = logging.getLogger("llmdeploy.router")
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         await server.serve()
 
-    asyncio.run(serve())
+    event_loop.run(serve())
     return 0
 
 

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmdeploy.openai_api.asgi import RequestIdMiddleware
+from llmdeploy.openai_api.asgi import DirectRoutes, RequestIdMiddleware
 from llmdeploy.openai_api.errors import (
     OpenAIError,
     install_error_handlers,
@@ -160,7 +160,7 @@ class Router:
         return build_snapshot(self, time.monotonic())
 
     # ---- HTTP --------------------------------------------------------------------------------------------
-    def _build_app(self) -> FastAPI:
+    def _build_app(self) -> RequestIdMiddleware:
         @contextlib.asynccontextmanager
         async def lifespan(_app):
             # one router may serve several servers at once (a re-listen overlaps the old one): close with the last
@@ -177,21 +177,25 @@ class Router:
             title="llmdeploy router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
         )
         install_error_handlers(app)
-        app.add_middleware(
-            RequestIdMiddleware,
+        app.router.add_route("/health", self.health, methods=["GET"])
+        app.router.add_route("/ready", self.ready, methods=["GET"])
+        app.router.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.router.add_route("/v1/models", self.models, methods=["GET"])
+        # also here so other methods get the framework's 405; DirectRoutes answers every POST before it
+        app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.router.add_route("/v1/completions", self.completions, methods=["POST"])
+        install_dashboard(app, self)
+        hot = {
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/v1/completions"): self.completions,
+        }
+        return RequestIdMiddleware(
+            DirectRoutes(app, hot),
             server="router",
             max_id_length=MAX_REQUEST_ID_LENGTH,
             default_headers=DEFAULT_ID_HEADERS,
             on_first_request=self.start,  # embedders may run the app with lifespan off: start the poller then
         )
-        app.router.add_route("/health", self.health, methods=["GET"])
-        app.router.add_route("/ready", self.ready, methods=["GET"])
-        app.router.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
-        app.router.add_route("/v1/models", self.models, methods=["GET"])
-        app.router.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.router.add_route("/v1/completions", self.completions, methods=["POST"])
-        install_dashboard(app, self)
-        return app
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

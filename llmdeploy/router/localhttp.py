@@ -112,6 +112,10 @@ class LocalResponse:
         self._done = True
 
     async def aread(self) -> bytes:
+        if self._length is not None and not self._done:  # the usual answer: one read, no generator
+            data = await self._read(self._conn.reader.readexactly(self._length))
+            self._done = True
+            return data
         return b"".join([chunk async for chunk in self.aiter_bytes()])
 
     async def aiter_lines(self) -> AsyncIterator[str]:
@@ -127,6 +131,10 @@ class LocalResponse:
             yield buf
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Back to the pool when read to its end, else closed; never waits (so it needs no shield)."""
         if self._closed:
             return
         self._closed = True

@@ -23,7 +23,7 @@ from llmdeploy.openai_api.errors import OpenAIError
 from llmdeploy.openai_api.headers import ENGINE_TTFT_HEADER
 from llmdeploy.openai_api.sse import DONE
 from llmdeploy.policies.route import LOCAL
-from llmdeploy.router.localhttp import LocalHTTP
+from llmdeploy.router.localhttp import LocalHTTP, LocalResponse
 from llmdeploy.router.normalize import (
     UpstreamFailure,
     body_error,
@@ -99,7 +99,10 @@ async def _open(a: Attempt):
 
 
 async def close_quietly(resp) -> None:
-    # shielded: runs while the request is being cancelled (client disconnect), and must still reach the engine
+    if isinstance(resp, LocalResponse):  # closes without awaiting
+        resp.close()
+        return
+    # shielded: runs while the request is being cancelled (client disconnect), and must still reach the backend
     with anyio.CancelScope(shield=True):
         with contextlib.suppress(Exception):  # closing a broken connection may raise; nothing to do about it
             await resp.aclose()

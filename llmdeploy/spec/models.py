@@ -3,13 +3,13 @@ section in parallel.py, the shared base in base.py)."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from llmdeploy.policies.capability import Feature
+from llmdeploy.spec.addresses import is_loopback, split_listen
 from llmdeploy.spec.base import RuleError, Section
 from llmdeploy.spec.parallel import ParallelSpec
 
@@ -279,7 +279,8 @@ class RoutingSpec(Section):
         ge=0,
         le=10,
         description="with replica_choice prefix, a replica holding ceil((1 + this) x the mean load) requests is "
-        "passed over for the next one in the prefix's order, so one hot prefix cannot overload one replica",
+        "passed over for the next one in the prefix's order, so one hot prefix cannot overload one replica; at N "
+        "replicas a slack of N - 1 or more never binds",
     )
     local_timeout_s: float = Field(
         120,
@@ -393,28 +394,10 @@ class DeploymentSpec(Section):
         return split_listen(self.listen)[1]
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port); raises ValueError with a message users can act on."""
-    m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", listen) or re.match(r"^([^\s:\[\]]+):(\d+)$", listen)
-    if not m:
-        raise ValueError("must be host:port, e.g. 127.0.0.1:8000 (IPv6 as [::1]:8000)")
-    host, port = m.group(1), int(m.group(2))
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range 0-65535")
-    return host, port
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def not_yet_supported(spec: DeploymentSpec) -> tuple[tuple[str, ...], str] | None:
     """Legal keys whose values this release cannot run yet: (path, message). validate warns, apply refuses."""
-    if spec.parallel.backend != "local":
-        return ("parallel", "backend"), "ray is not supported yet; use backend: local"
+    from llmdeploy.spec.parallel import RAY_INSTALL_HINT, ray_installed
+
+    if spec.parallel.backend == "ray" and not ray_installed():
+        return ("parallel", "backend"), f"backend ray needs Ray on this machine: {RAY_INSTALL_HINT}"
     return None

@@ -7,6 +7,7 @@ and compared as the plain integer it is, so specs written before ranges existed 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Annotated, Any, Literal
 
@@ -16,6 +17,7 @@ from llmdeploy.spec.base import RuleError, Section
 
 # the discriminated union's branch names: pydantic puts them into error locations, the loader takes them out
 COUNT_TAG, RANGE_TAG = "count", "range"
+RAY_INSTALL_HINT = "pip install 'llmdeploy[ray]'"
 
 
 class ReplicaRange(Section):
@@ -67,9 +69,16 @@ class ParallelSpec(Section):
         "GPU per rank); must divide the model's attention heads and KV heads",
     )
     backend: Literal["local", "ray"] = Field(
-        "local", description="local processes; ray (replicas on a Ray cluster) is not supported yet"
+        "local",
+        description="local: engine processes on this machine; ray: each replica runs under a Ray actor on a "
+        "running Ray cluster (its ranks on one node, num_cpus and num_gpus reserved as a placement group); "
+        "needs pip install 'llmdeploy[ray]' here and llmdeploy plus the model file at the same path on each node",
     )
-    ray_address: str | None = Field(None, description="e.g. ray://head:10001 when backend is ray")
+    ray_address: str | None = Field(
+        None,
+        description="the Ray cluster's GCS address, e.g. 10.0.0.5:6379, when backend is ray; unset or auto: the "
+        "cluster this machine has joined (RAY_ADDRESS, or `ray start` here). The daemon never starts a cluster",
+    )
 
     @property
     def autoscale(self) -> ReplicaRange | None:
@@ -98,3 +107,11 @@ def tensor_parallel_problem(tensor_parallel: int, num_heads: int, num_kv_heads: 
         f"{tensor_parallel} ranks cannot split the model's {num_heads} attention heads and {num_kv_heads} KV heads "
         f"evenly; use one of: {fits}"
     )
+
+
+def ray_installed() -> bool:
+    """Whether `import ray` can work here (found, not imported: importing Ray takes a second)."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False

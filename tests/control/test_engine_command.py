@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmdeploy.control.supervisor import engine_command
+from llmdeploy.control.engine_args import engine_command
 from llmdeploy.engine.__main__ import build_parser, engine_config
 from llmdeploy.spec.models import DeploymentSpec
 

@@ -164,9 +164,11 @@ def test_restart_backoff_doubles_up_to_a_cap():
     assert backoff_s(50) == BACKOFF_MAX_S
 
 
-def test_what_the_supervisor_cannot_run_is_refused_up_front():
+def test_what_the_supervisor_cannot_run_is_refused_up_front(monkeypatch):
     from llmdeploy.control.supervisor import unsupported
 
     assert unsupported(DeploymentSpec()) is None
-    assert "ray" in unsupported(DeploymentSpec(parallel={"backend": "ray", "ray_address": "ray://h:1"}))
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    refusal = unsupported(DeploymentSpec(parallel={"backend": "ray", "ray_address": "ray://h:1"}))
+    assert "pip install 'llmdeploy[ray]'" in refusal
     assert unsupported(DeploymentSpec(parallel={"tensor_parallel": 2})) is None  # the engine runs its ranks

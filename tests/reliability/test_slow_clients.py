@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from llmdeploy.openai_api.guard import PARSER_ENV
 from tests.helpers.procs import ServerProcess, free_port
 from tests.reliability.conftest import GUARD_ARGS, MAX_CONNECTIONS, READ_TIMEOUT_S, engine_headers
 from tests.router.conftest import ALIAS, chat_body
@@ -107,9 +108,10 @@ def flood_is_refused(port: int, serve) -> None:
     raise AssertionError("the server did not serve again after the flood")
 
 
-@pytest.fixture(scope="module")
-def router_proc(fake_engine, tmp_path_factory):
-    root = tmp_path_factory.mktemp("slow-router")
+# httptools is what installs bring; h11 is the fallback where it is missing: both protocols carry the guard
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def router_proc(request, fake_engine, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"slow-router-{request.param}")
     port = free_port()
     spec = {
         "model": {"served_alias": ALIAS},
@@ -119,7 +121,10 @@ def router_proc(fake_engine, tmp_path_factory):
     cfg = root / "llmdeploy.yaml"
     cfg.write_text(yaml.safe_dump(spec))
     args = ["-m", "llmdeploy.router", "--config", str(cfg), "--engine", fake_engine.base, *GUARD_ARGS]
-    proc = ServerProcess(args, f"http://127.0.0.1:{port}/health", Path(root) / "router.log", timeout_s=60)
+    env = {PARSER_ENV: request.param}
+    proc = ServerProcess(
+        args, f"http://127.0.0.1:{port}/health", Path(root) / "router.log", env, timeout_s=60
+    )
     yield proc.start(), port
     proc.stop()
 
@@ -133,6 +138,7 @@ def test_proxy_cuts_slow_clients_and_keeps_serving(router_proc):
     assert_cut_in_time(attack_while_serving(port, serve))
     flood_is_refused(port, serve)
     assert "Traceback" not in proc.logs()
+    assert f"HTTP parser: {proc.env[PARSER_ENV]}" in proc.logs()
 
 
 def test_engine_cuts_slow_clients_and_keeps_serving(token_engine):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmdeploy.engine.estimate import GiB, ModelShape, estimate, read_hf_shape, read_model_shape
+from llmdeploy.engine.estimate import GiB, estimate
+from llmdeploy.spec.model_shape import ModelShape, read_hf_shape, read_model_shape
 from llmdeploy.spec.models import DeploymentSpec
 from llmdeploy.spec.sources import resolve_model_source
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -450,7 +451,8 @@ def test_issue_format():
     assert SpecIssue("a.yaml", 1, 1, "", "the file is empty").format() == "a.yaml:1:1: the file is empty"
 
 
-def test_values_this_release_cannot_run_are_warned_at_their_line():
+def test_values_this_release_cannot_run_are_warned_at_their_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # backend ray without Ray installed
     text = "name: r\nparallel:\n  backend: ray\n  ray_address: ray://h:1\n"
     result = load_spec_text(text, "r.yaml", env={})
     assert result.spec is not None and not result.errors
