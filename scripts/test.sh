@@ -9,4 +9,5 @@ scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Everything but the `full` tier (whole-flow runs past CI's time budget: scripts/test.sh -m full runs them).
-exec .venv/bin/python -m pytest -m "not full" "$@"
+# --durations: the slowest tests in the log, to keep the run inside its budget on slower CPUs
+exec .venv/bin/python -m pytest -m "not full" --durations=25 "$@"

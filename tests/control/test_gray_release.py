@@ -31,7 +31,7 @@ from tests.control.conftest import (
     wait_for,
     write_spec,
 )
-from tests.helpers.procs import free_port
+from tests.helpers.procs import ctrl_c_works, free_port
 
 NAME = "gray"
 
@@ -253,7 +253,11 @@ def test_kill_9_of_the_daemon_mid_canary_then_apply_recovers_the_same_state(rig)
 def test_rollback_during_canary_returns_all_traffic_and_stops_the_candidate(rig):
     candidate_pids = pids_of(rig["cli"].status(NAME), 2)
     follower = subprocess.Popen(
-        [LLMDEPLOY, "logs", "--follow"], env=rig["cli"].env, text=True, stdout=subprocess.PIPE
+        [LLMDEPLOY, "logs", "--follow"],
+        env=rig["cli"].env,
+        text=True,
+        stdout=subprocess.PIPE,
+        preexec_fn=ctrl_c_works,
     )
     time.sleep(1.0)
     r = rig["cli"].ok("rollback")

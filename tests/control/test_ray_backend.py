@@ -127,20 +127,7 @@ def rig(tmp_path_factory, tiny_llama, ray_head, ray_cluster):
     root = tmp_path_factory.mktemp("onray")
     cloud = FakeCloud(root, expected_key=CLOUD_SECRET).start()
     cli = Cli(root / "home", env={"RAY_CLOUD_KEY": CLOUD_SECRET})
-    v1 = base_spec(
-        NAME,
-        tiny_llama,
-        parallel={"replicas": 2, "backend": "ray", "ray_address": ray_head},
-        cloud={
-            "enabled": True,
-            "provider": "openai-compatible",
-            "base_url": f"{cloud.base}/v1",
-            "api_key_env": "RAY_CLOUD_KEY",
-            "model": "ernie-test",
-            "max_retries": 1,
-            "timeout_s": 10,
-        },
-    )
+    v1 = ray_spec(NAME, tiny_llama, ray_head, cloud, parallel={"replicas": 2})
     # a new revision (engine changed) of one replica that takes half the sessions once ready
     v2 = {
         **v1,

@@ -13,6 +13,13 @@ from pathlib import Path
 import httpx
 
 
+def ctrl_c_works() -> None:
+    """Popen preexec_fn for a child that a test stops with SIGINT (Ctrl-C): a runner started in the background of
+    a non-interactive shell ignores SIGINT, its children inherit that, and Python then installs no
+    KeyboardInterrupt handler; the default disposition restores it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

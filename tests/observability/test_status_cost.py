@@ -13,6 +13,7 @@ import time
 import httpx
 
 from tests.control.conftest import LLMDEPLOY, wait_for
+from tests.helpers.procs import ctrl_c_works
 from tests.observability.conftest import HEADERS, NAME, PRICES, ensure_candidate, traffic
 
 
@@ -58,6 +59,7 @@ def test_status_watch_redraws_every_second_and_ctrl_c_exits_0(obs):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_works,
     )
     try:
         out = ""
