@@ -71,7 +71,12 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
                 v = row[seen]
-                row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+                hi = torch.finfo(
+                    row.dtype
+                ).max  # a tiny penalty (5e-324 is legal) must not make +inf (then NaN)
+                row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty).clamp(
+                    -hi, hi
+                )
             if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
                 out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
                 counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
@@ -88,6 +93,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
         logits = logits / torch.tensor([s.params.temperature for s in seqs], device=dev)[:, None]
+        # a low temperature over large logits overflows: +inf would turn softmax into NaN and the pick into noise
+        logits = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
         top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if any(top_k) or any(p < 1.0 for p in top_p):

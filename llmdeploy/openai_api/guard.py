@@ -199,6 +199,7 @@ if HttpToolsProtocol is not None:
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_body = False
+            self._disarm()  # a body that came in pieces armed a deadline: the request is whole now
 
 
 def uvicorn_settings(limits: HTTPLimits | None = None) -> dict[str, Any]:

@@ -53,6 +53,22 @@ def test_repetition_penalty_hf_style_over_prompt_and_output():
     assert sample([[0.0, -1.0, -1.5, -3.0]], (p, [0], [1]))[0] == [0]  # negative logits are multiplied
 
 
+def test_extreme_penalties_and_temperatures_still_pick_the_favoured_token():
+    # found by the schema fuzzer: repetition_penalty 5e-324 made the seen tokens' logits +inf, softmax NaN, and
+    # the pick token 0, which a grammar then rejected (a 500)
+    logits = [[0.5, 4.0, 3.0, -1.0]]
+    for params in (
+        SamplingParams(temperature=0.5, repetition_penalty=5e-324, seed=7),
+        SamplingParams(temperature=0.5, repetition_penalty=5e-324),
+        SamplingParams(temperature=2e-5, repetition_penalty=5e-324),
+    ):
+        assert sample(logits, (params, [1, 2], []))[0] in ([1], [2]), (
+            params
+        )  # both seen tokens: a tie at the top
+    big = [[3e38, 1e38, 0.0, -1.0]]
+    assert sample(big, (SamplingParams(temperature=2e-5, seed=1), [0], []))[0] == [0]
+
+
 def test_presence_and_frequency_penalties_count_output_only():
     logits = [[0.0, 3.0, 2.5, 0.0]]
     pres = SamplingParams(temperature=0, presence_penalty=1.0)

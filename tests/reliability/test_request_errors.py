@@ -135,3 +135,24 @@ def test_out_of_vocabulary_ids_with_echo_are_a_400_not_an_overflow(token_engine)
         body = {"model": ALIAS, "prompt": ids, "max_tokens": 1, "echo": True}
         r = httpx.post(f"{url}/v1/completions", json=body, headers=engine_headers(), timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+
+
+def test_a_vanishing_repetition_penalty_under_a_grammar_is_served(token_engine):
+    """Found by the schema fuzzer: repetition_penalty 5e-324 (legal: > 0) made the seen tokens' logits +inf,
+    sampling picked a token the grammar forbids, and the request failed with a 500."""
+    proc, url = token_engine
+    body = {
+        "model": ALIAS,
+        "prompt": ["S\u00fb\\#5\u009e\U0002212bx", "\u00c4", "\u00be\u00ed"],
+        "max_tokens": 4,
+        "min_tokens": 1,
+        "temperature": 0.5,
+        "seed": -3538,
+        "logprobs": 2,
+        "repetition_penalty": 5e-324,
+        "guided_regex": "m\u0095w",
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=engine_headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    assert "Traceback" not in proc.logs()

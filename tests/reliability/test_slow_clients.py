@@ -6,6 +6,7 @@ production wiring (`python -m llmdeploy.router`, `python -m llmdeploy.engine`) a
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import socket
 import time
 from dataclasses import dataclass
@@ -139,6 +140,32 @@ def test_proxy_cuts_slow_clients_and_keeps_serving(router_proc):
     flood_is_refused(port, serve)
     assert "Traceback" not in proc.logs()
     assert f"HTTP parser: {proc.env[PARSER_ENV]}" in proc.logs()
+
+
+def test_a_body_sent_in_pieces_is_not_cut_while_its_answer_takes_longer_than_the_read_timeout(
+    router_proc, fake_engine
+):
+    """The read deadline covers receiving the request, not answering it: a body that came in two segments armed
+    a deadline that (with httptools) stayed armed and closed the connection mid-answer after read_timeout."""
+    _, port = router_proc
+    fake_engine.reset()
+    fake_engine.control(reply="slow but whole", delay_s=READ_TIMEOUT_S + 1.5)
+    body = json.dumps(chat_body()).encode()
+    head = HEAD + f"content-length: {len(body)}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(READ_TIMEOUT_S + 20)
+        s.sendall(head + body[:5])
+        time.sleep(0.3)
+        s.sendall(body[5:])
+        answer = b""
+        while b"slow but whole" not in answer:
+            data = s.recv(65536)
+            if not data:
+                break
+            answer += data
+    fake_engine.control(delay_s=0.0)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert b"slow but whole" in answer
 
 
 def test_engine_cuts_slow_clients_and_keeps_serving(token_engine):
