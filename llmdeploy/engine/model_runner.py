@@ -27,6 +27,7 @@ from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.loader import LoadedModel, load_model
 from llmdeploy.engine.outputs import Capacity, TokenLogprob
 from llmdeploy.engine.parallel.shard import Shard
+from llmdeploy.engine.resources import host_memory_available
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.policies.step_cost import chunk_cost
@@ -59,6 +60,17 @@ def release_openmp_workers() -> bool:
         return False
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on CPU from calloc (numpy): the kernel hands out zero pages as they are first touched, so
+    a large cache costs nothing at start (torch.zeros wrote 1 GiB in 0.17 s) and only its used part is resident."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64  # cache-line aligned, as torch's own allocations are
+    return torch.from_numpy(buf[start : start + nbytes]).view(dtype).view(shape)
+
+
 def allocate_kv_cache(
     model: torch.nn.Module, num_blocks: int, block_size: int, dtype, device
 ) -> torch.Tensor:
@@ -66,7 +78,7 @@ def allocate_kv_cache(
     this rank's). Zeroed: padded rows the reference kernels gather (and mask) must not hold NaN."""
     layers = model.attention_layers()
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    kv = torch.zeros(shape, dtype=dtype, device=device)
+    kv = zeroed(shape, dtype, torch.device(device))
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
     return kv
@@ -197,6 +209,13 @@ class ModelRunner:
 
     def cpu_kv_bytes(self) -> tuple[int, str, str]:
         gb = self.config.kv_cache_gb
+        available = host_memory_available()
+        if available is not None and gb * GiB > available:
+            # the cache's pages are only committed as they fill (see zeroed): refuse now, not at the OOM killer
+            raise CapacityError(
+                f"engine.kv_cache_gb={gb} is more than this machine's available memory "
+                f"({available / GiB:.1f} GiB); lower engine.kv_cache_gb."
+            )
         return (
             int(gb * GiB),
             f"engine.kv_cache_gb={gb}",

@@ -49,6 +49,23 @@ def host_memory_total() -> int:
         return 0
 
 
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_memory() -> tuple[int, int | None]:
+    """(total, available) bytes of this machine; available is None off Linux."""
+    return host_memory_total(), host_memory_available()
+
+
 def _cuda(device) -> dict:
     import torch
 

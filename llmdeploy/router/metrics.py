@@ -5,9 +5,9 @@ Labels carry key names, backends and revisions, never a key or any request text.
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmdeploy.engine.resources import host_memory
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -24,22 +24,6 @@ ENGINE_RESOURCES = (
     ),
     ("gpu_utilization_perc", "gpu_utilization", "GPU utilisation, 0..1 (CUDA with nvidia-ml-py only)"),
 )
-
-
-def host_memory() -> tuple[int, int | None]:
-    """(total, available) bytes of this machine; available from /proc/meminfo (None elsewhere)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 0
-    try:
-        with open("/proc/meminfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return total, int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return total, None
 
 
 class _Family:

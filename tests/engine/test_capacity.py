@@ -97,3 +97,23 @@ def test_engine_config_rejects_what_the_yaml_rejects():
 def test_unknown_llm_argument_is_an_error(tiny_llama):
     with pytest.raises(TypeError, match="max_batch"):
         LLM(model=str(tiny_llama), max_batch=4)
+
+
+def test_cache_larger_than_available_memory_is_refused_at_start(tiny_llama):
+    # the cache's pages are committed lazily, so without this check the engine would start and die at the OOM
+    # killer once the cache filled
+    with pytest.raises(CapacityError) as e:
+        LLM(model=str(tiny_llama), max_model_len=128, kv_cache_gb=100_000)
+    assert "kv_cache_gb=100000" in str(e.value) and "available memory" in str(e.value)
+
+
+def test_cpu_cache_buffer_is_zeroed_aligned_and_writable():
+    import torch
+
+    from llmdeploy.engine.model_runner import zeroed
+
+    kv = zeroed((2, 3, 5, 16, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert kv.shape == (2, 3, 5, 16, 2, 8) and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    assert kv.data_ptr() % 64 == 0 and not kv.any()
+    kv[1, 2] = 1.5
+    assert float(kv.sum()) == 1.5 * 5 * 16 * 2 * 8
