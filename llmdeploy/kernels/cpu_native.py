@@ -32,6 +32,9 @@ BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {
     "llmd_has_avx2": [],
+    "llmd_has_avx512": [],
+    "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_f32_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -221,36 +224,94 @@ def int8_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed if lib.llmd_int8_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
 
 
+def _linear_rows(x: torch.Tensor, n: int, kernel) -> torch.Tensor | None:
+    """x[..., K] as rows with unit stride -> out [..., n] float32 from kernel(rows, out) (0 on success)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n)
+    if rows.shape[0] and kernel(rows, out) != 0:
+        return None
+    return out.view(*x.shape[:-1], n)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
 def int8_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """x[..., K] float32 @ (weight[N, K] int8 * scale[N])^T + bias -> [..., N] float32, the weight as int8_pack
     made it (N = len(scale)); None if the kernel does not apply."""
     lib = library()
-    n = scale.shape[0]
-    k = x.shape[-1]
+    n, k = scale.shape[0], x.shape[-1]
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or k % 8:
         return None
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n)
-    if rows.shape[0]:
-        rc = lib.llmd_int8_linear(
+    return _linear_rows(
+        x,
+        n,
+        lambda rows, out: lib.llmd_int8_linear(
             rows.data_ptr(),
             rows.stride(0),
             packed.data_ptr(),
             scale.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
+            _ptr(bias),
             out.data_ptr(),
             rows.shape[0],
             n,
             k,
             _threads(),
-        )
-        if rc != 0:
-            return None
-    return out.view(*x.shape[:-1], n)
+        ),
+    )
+
+
+F32_TILE = 32  # output channels per packed tile (F32_NR in cpu_kernels.c)
+
+
+def f32_linear_available() -> bool:
+    """Whether the native float32 linear runs here (it needs AVX-512; elsewhere oneDNN's packed GEMM stays).
+    LLMDEPLOY_NATIVE_LINEAR=0 keeps oneDNN's (the benchmarks' baseline)."""
+    if os.environ.get("LLMDEPLOY_NATIVE_LINEAR", "1") == "0":
+        return False
+    lib = library()
+    return lib is not None and bool(lib.llmd_has_avx512())
+
+
+def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 [N, K] -> the native linear's layout (tiles of F32_TILE channels, k-major), or None."""
+    if not f32_linear_available() or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    packed = torch.empty(-(-n // F32_TILE) * F32_TILE * k)
+    return packed if library().llmd_f32_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
+
+
+def f32_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    """x[..., K] float32 @ weight[n, K]^T + bias, the weight as f32_pack made it; None if it does not apply."""
+    lib = library()
+    k = x.shape[-1]
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or packed.numel() % k:
+        return None
+    return _linear_rows(
+        x,
+        n,
+        lambda rows, out: lib.llmd_f32_linear(
+            rows.data_ptr(),
+            rows.stride(0),
+            packed.data_ptr(),
+            _ptr(bias),
+            out.data_ptr(),
+            rows.shape[0],
+            n,
+            k,
+            _threads(),
+        ),
+    )
 
 
 def _fp32_rows(*tensors: torch.Tensor | None) -> bool:

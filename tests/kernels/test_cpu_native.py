@@ -115,9 +115,46 @@ def test_int8_linear_matches_dequantized(rows, bias):
     )
 
 
+needs_avx512 = pytest.mark.skipif(
+    not cpu_native.f32_linear_available(), reason="the native float32 linear needs AVX-512"
+)
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_f32_linear_matches_torch(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 45  # a channel tail in the last tile of 32, an odd K
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_native.f32_pack(w)
+    assert packed.numel() == 96 * k  # channels padded to whole tiles
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    torch.testing.assert_close(cpu_native.f32_linear(x, packed, b, n).double(), ref, atol=1e-4, rtol=1e-5)
+    x3 = torch.randn(2, rows, 2 * k, generator=g)[..., :k]  # leading dims and a row stride
+    out3 = cpu_native.f32_linear(x3, packed, b, n)
+    assert out3.shape == (2, rows, n)
+    torch.testing.assert_close(out3, torch.nn.functional.linear(x3, w, b), atol=1e-4, rtol=1e-5)
+
+
+@needs_avx512
+def test_packed_linear_runs_natively_and_unpacks_to_its_weight():
+    from llmdeploy.engine.models.layers import PackedLinear
+
+    lin = torch.nn.Linear(45, 70)
+    packed = PackedLinear(lin.weight, lin.bias)
+    assert packed.native is not None and packed.packed is None
+    torch.testing.assert_close(packed.weight, lin.weight.detach())
+    x = torch.randn(3, 45)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
 def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     """The plain-C lanes (no AVX2 intrinsics), built here with a baseline x86-64 target, give the same results."""
+    torch.manual_seed(0)
     k, v, bt, cl = paged([33, 300], 3, 64, 16)
     q, w, s, x = (
         torch.randn(2, 9, 64),
@@ -128,13 +165,22 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     ref = cpu_native.decode_attention(q, k, v, bt, cl, 0.125)
     flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
     lib = cpu_native.load(cpu_native.build(flags, tmp_path))
-    assert lib.llmd_has_avx2() == 0
+    assert lib.llmd_has_avx2() == 0 and lib.llmd_has_avx512() == 0
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
     lin = cpu_native.int8_linear(x, cpu_native.int8_pack(w), s, None)
     torch.testing.assert_close(
-        lin, torch.nn.functional.linear(x, w.float() * s[:, None]), atol=1e-5, rtol=1e-5
-    )
+        lin, torch.nn.functional.linear(x, w.float() * s[:, None]), atol=1e-4, rtol=1e-4
+    )  # outputs up to ~100 (weights up to 127): float32 summation order alone moves them by ~1e-5
+    # no AVX-512: the float32 layers keep oneDNN's packed GEMM
+    from llmdeploy.engine.models.layers import PackedLinear
+
+    assert not cpu_native.f32_linear_available() and cpu_native.f32_pack(torch.ones(4, 4)) is None
+    if torch.backends.mkldnn.is_available():
+        layer = torch.nn.Linear(16, 9)
+        packed = PackedLinear(layer.weight, layer.bias)
+        assert packed.native is None
+        torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)
 
 
 def test_switched_off_falls_back(monkeypatch):

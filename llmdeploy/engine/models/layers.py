@@ -68,9 +68,9 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
-# Packed oneDNN weights by handle, for compiled code (PackedLinear.handle). Entries live as long as the process:
+# Packed linear layers by handle, for compiled code (PackedLinear.handle). Entries live as long as the process:
 # a model is loaded once per engine process.
-PACKED_WEIGHTS: list[torch.Tensor] = []
+PACKED_LINEARS: list[PackedLinear] = []
 
 
 @torch.library.custom_op("llmdeploy::packed_linear", mutates_args=())
@@ -79,7 +79,7 @@ def packed_linear(
 ) -> torch.Tensor:
     """PackedLinear as an op torch.compile treats as opaque: the layers' handles are graph inputs (buffers), so
     the 30 layers still share one compiled graph, and the elementwise work around the GEMMs is fused."""
-    return torch.ops.mkldnn._linear_pointwise(x, PACKED_WEIGHTS[int(handle)], bias, "none", [], "")
+    return PACKED_LINEARS[int(handle)].run(x)
 
 
 @packed_linear.register_fake
@@ -90,31 +90,48 @@ def _packed_linear_shape(
 
 
 class PackedLinear(nn.Module):
-    """A loaded nn.Linear whose weight is reordered once into oneDNN's blocked layout (CPU only).
+    """A loaded nn.Linear whose weight is reordered once into a GEMM's blocked layout (CPU only): the native
+    float32 kernel's tiles where the CPU has AVX-512 (kernels/cpu_native.py: 1.6x oneDNN at one row, where decode
+    is bandwidth-bound, and on par at 2048 rows; bench/RESULTS.md), else oneDNN's.
 
-    Measured here (2 threads, float32): 2x faster than torch's MKL path from 4 rows up (the LM head at 32 rows:
+    oneDNN against torch's MKL path (2 threads, float32): 2x faster from 4 rows up (the LM head at 32 rows:
     21 ms -> 7 ms) and 1.4x at one row; bfloat16 gains 1.1-3x. Same fp32 accuracy (different summation order)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.native = cpu_native.f32_pack(weight) if weight.dtype == torch.float32 else None
         # no batch-size hint: oneDNN then picks a layout that is faster at every row count measured here (30
         # layers' projections, 2 threads, fp32: 1 row 11.8 -> 8.7 ms, 32 rows 25.5 -> 19.5, 256 rows 120 -> 112;
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.bias = bias
-        # torch.compile cannot trace oneDNN's opaque packed tensor: compiled code reaches it through this handle
-        self.register_buffer("handle", torch.tensor(len(PACKED_WEIGHTS)), persistent=False)
-        PACKED_WEIGHTS.append(self.packed)
+        self.packed = (
+            None if self.native is not None else torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        )
+        self.bias = bias if bias is None or self.native is None else bias.detach().float().contiguous()
+        # torch.compile cannot trace an opaque packed tensor: compiled code reaches this module through the handle
+        self.register_buffer("handle", torch.tensor(len(PACKED_LINEARS)), persistent=False)
+        PACKED_LINEARS.append(self)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            out = cpu_native.f32_linear(x, self.native, self.bias, self.out_features)
+            if out is not None:
+                return out
+            return F.linear(x, self.weight, self.bias)  # not float32 rows: the dense copy
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.run(x)
 
     @property
     def weight(self) -> torch.Tensor:  # a dense copy, for inspection
-        return self.packed.to_dense()
+        if self.native is None:
+            return self.packed.to_dense()
+        tile = cpu_native.F32_TILE
+        tiles = self.native.view(-1, self.in_features, tile).transpose(1, 2)
+        return tiles.reshape(-1, self.in_features)[: self.out_features]
 
 
 def pack_linears(model: nn.Module) -> None:
