@@ -100,7 +100,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.native = cpu_native.f32_pack(weight) if weight.dtype == torch.float32 else None
+        self.native = cpu_native.f32_pack(weight)  # None: not float32, or no AVX-512 here
         # no batch-size hint: oneDNN then picks a layout that is faster at every row count measured here (30
         # layers' projections, 2 threads, fp32: 1 row 11.8 -> 8.7 ms, 32 rows 25.5 -> 19.5, 256 rows 120 -> 112;
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
