@@ -1,5 +1,6 @@
 """What `dtype: auto` means on a CPU: bfloat16 where the CPU has native bf16 matmuls (AVX-512 BF16 or AMX) and
-they are measured faster than float32 at the model's own projection shape, float32 everywhere else.
+they are measured faster than float32 at the model's own projection shape, at one row and at a batch's, as the
+engine runs them (PackedLinear), float32 everywhere else.
 
 Without those units torch emulates bf16 matmuls (10x slower than float32 on an AVX2 EPYC: bench/ceilings.py), so
 only their presence makes bf16 a candidate; the timing then guards against CPUs where it still does not pay. The
@@ -17,11 +18,18 @@ from pathlib import Path
 import torch
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matmul instructions
-# bf16 changes greedy output, so it has to pay clearly: SmolLM2's projections measured 2.99x on AVX-512 BF16, while a
-# tiny test model's measured 1.17x once and under 1x other times (timing noise on microsecond calls)
-MIN_SPEEDUP = 1.5
-MIN_TIMED_S = 50e-6  # a float32 projection faster than this is call overhead, not a matmul worth choosing by
-ROWS = 32  # a decode batch's worth of rows
+# bf16 changes greedy output, so it has to pay clearly, at one row (bandwidth-bound decode) and at a batch's rows
+# alike: SmolLM2's projections measured 1.8-2x at both on Zen 4, while a tiny test model's measured 1.17x once and
+# under 1x other times (timing noise on microsecond calls)
+MIN_SPEEDUP = 1.3
+MIN_TIMED_S = (
+    50e-6  # a float32 projection faster than this at ROWS[-1] is call overhead, not a matmul to choose by
+)
+ROWS = (1, 32)  # a decode step of one sequence, and of a batch
+# float32 weights cycled through per timing: more than a core's share of a server L3, so one row streams them from
+# memory as decode does (a single cache-resident matrix made one row look compute-bound)
+STACK_BYTES = 64 << 20
+MAX_STACK = 32
 
 
 @dataclass(frozen=True)
@@ -44,31 +52,39 @@ def bf16_flag(flags: set[str]) -> str | None:
     return next((f for f in BF16_FLAGS if f in flags), None)
 
 
-def linear_seconds(x: torch.Tensor, weight: torch.Tensor) -> float:
-    """One call of the projection the engine would run (oneDNN-packed where it exists, else torch's default)."""
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        run = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-    except (RuntimeError, AttributeError):
-        run = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
-    run()
+def pass_seconds(layers: list, x: torch.Tensor) -> float:
     t = time.perf_counter()
-    run()
+    for layer in layers:
+        layer.run(x)
     return time.perf_counter() - t
 
 
-def projection_seconds(hidden: int, intermediate: int, reps: int = 7) -> tuple[float, float]:
-    """Median seconds of a [ROWS, hidden] x [hidden, intermediate] projection in float32 and in bfloat16,
-    interleaved (a busy machine slows both alike)."""
-    x = torch.randn(ROWS, hidden)
-    w = torch.randn(intermediate, hidden)
-    xb, wb = x.bfloat16(), w.bfloat16()
+def projection_seconds(hidden: int, intermediate: int, reps: int = 5) -> dict[int, tuple[float, float]]:
+    """Rows -> median seconds of one [rows, hidden] x [hidden, intermediate] projection in float32 and in bfloat16,
+    each run as the engine runs it (PackedLinear: the native kernels or oneDNN, whichever this CPU gets), over a
+    stack of weights too large to stay in cache, interleaved (a busy machine slows both alike)."""
+    from llmdeploy.engine.models.layers import (
+        PackedLinear,
+    )  # imported here: layers asks this module about AMX
+
+    count = max(1, min(MAX_STACK, STACK_BYTES // (4 * hidden * intermediate)))
     f32, b16 = [], []
+    for _ in range(count):
+        w = torch.randn(intermediate, hidden)
+        f32.append(PackedLinear(w, None, register=False))
+        b16.append(PackedLinear(w.bfloat16(), None, register=False))
+    out = {}
     with torch.inference_mode():
-        for _ in range(reps):
-            f32.append(linear_seconds(x, w))
-            b16.append(linear_seconds(xb, wb))
-    return statistics.median(f32), statistics.median(b16)
+        for rows in ROWS:
+            x = torch.randn(rows, hidden)
+            xb = x.bfloat16()
+            pass_seconds(f32, x), pass_seconds(b16, xb)  # warm-up
+            tf, tb = [], []
+            for _ in range(reps):
+                tf.append(pass_seconds(f32, x) / count)
+                tb.append(pass_seconds(b16, xb) / count)
+            out[rows] = statistics.median(tf), statistics.median(tb)
+    return out
 
 
 @functools.cache
@@ -76,20 +92,22 @@ def choose_cpu_dtype(hidden: int, intermediate: int) -> DtypeChoice:
     flag = bf16_flag(cpu_flags())
     if flag is None:
         return DtypeChoice(torch.float32, "auto: float32 (no AVX-512 BF16 or AMX on this CPU)")
-    f32_s, b16_s = projection_seconds(hidden, intermediate)
+    timed = projection_seconds(hidden, intermediate)
+    f32_s = timed[ROWS[-1]][0]
     if f32_s < MIN_TIMED_S:
         return DtypeChoice(
             torch.float32,
             f"auto: float32 (the CPU has {flag}, but the model's projections are too small for bfloat16 to pay:"
             f" {f32_s * 1e6:.0f} us in float32)",
         )
-    speedup = f32_s / max(b16_s, 1e-9)
-    if speedup < MIN_SPEEDUP:
+    speedups = {rows: f / max(b, 1e-9) for rows, (f, b) in timed.items()}
+    measured = ", ".join(f"{x:.2f}x at {rows} row{'s' if rows > 1 else ''}" for rows, x in speedups.items())
+    if min(speedups.values()) < MIN_SPEEDUP:
         return DtypeChoice(
             torch.float32,
-            f"auto: float32 (the CPU has {flag}, but bfloat16 projections measured only {speedup:.2f}x float32)",
+            f"auto: float32 (the CPU has {flag}, but bfloat16 projections measured only {measured} float32)",
         )
     return DtypeChoice(
         torch.bfloat16,
-        f"auto: bfloat16 (the CPU has {flag}; bfloat16 projections measured {speedup:.2f}x float32)",
+        f"auto: bfloat16 (the CPU has {flag}; bfloat16 projections measured {measured} float32)",
     )

@@ -35,6 +35,9 @@ SIGNATURES = {
     "llmd_has_avx512": [],
     "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_f32_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
+    "llmd_has_avx512_bf16": [],
+    "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_bf16_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -225,12 +228,12 @@ def int8_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _linear_rows(x: torch.Tensor, n: int, kernel) -> torch.Tensor | None:
-    """x[..., K] as rows with unit stride -> out [..., n] float32 from kernel(rows, out) (0 on success)."""
+    """x[..., K] as rows with unit stride -> out [..., n] of x's dtype from kernel(rows, out) (0 on success)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n)
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     if rows.shape[0] and kernel(rows, out) != 0:
         return None
     return out.view(*x.shape[:-1], n)
@@ -301,6 +304,59 @@ def f32_linear(
         x,
         n,
         lambda rows, out: lib.llmd_f32_linear(
+            rows.data_ptr(),
+            rows.stride(0),
+            packed.data_ptr(),
+            _ptr(bias),
+            out.data_ptr(),
+            rows.shape[0],
+            n,
+            k,
+            _threads(),
+        ),
+    )
+
+
+def bf16_linear_available() -> bool:
+    """Whether the native bfloat16 linear runs here (AVX-512 BF16's vdpbf16ps); LLMDEPLOY_NATIVE_LINEAR=0 keeps
+    oneDNN's for every row count."""
+    if os.environ.get("LLMDEPLOY_NATIVE_LINEAR", "1") == "0":
+        return False
+    lib = library()
+    return lib is not None and bool(lib.llmd_has_avx512_bf16())
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """bfloat16 [N, K] (K even) -> the native bf16 linear's layout (tiles of F32_TILE channels, input pairs), or
+    None."""
+    if (
+        not bf16_linear_available()
+        or weight.dtype != torch.bfloat16
+        or weight.dim() != 2
+        or weight.shape[1] % 2
+    ):
+        return None
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    packed = torch.empty(-(-n // F32_TILE) * F32_TILE * k, dtype=torch.bfloat16)
+    return packed if library().llmd_bf16_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
+
+
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    """x[..., K] bfloat16 @ weight[n, K]^T + bias -> bfloat16 (float32 sums, one rounding), the weight as
+    bf16_pack made it; None if it does not apply."""
+    lib = library()
+    k = x.shape[-1]
+    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or k % 2 or packed.numel() % k:
+        return None
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return None
+    return _linear_rows(
+        x,
+        n,
+        lambda rows, out: lib.llmd_bf16_linear(
             rows.data_ptr(),
             rows.stride(0),
             packed.data_ptr(),

@@ -151,6 +151,62 @@ def test_packed_linear_runs_natively_and_unpacks_to_its_weight():
         torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
 
 
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_native.bf16_linear_available(), reason="the native bfloat16 linear needs AVX-512 BF16"
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
+    """float32 sums of bf16 products, rounded once to bf16: within one bf16 rounding of the exact result, the
+    bound oneDNN's bf16 GEMM meets too."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 70, 46  # a channel tail in the last tile of 32; K even (pairs of inputs)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_native.bf16_pack(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == 96 * k
+    exact = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
+    out = cpu_native.bf16_linear(x, packed, b, n)
+    assert out.dtype == torch.bfloat16
+    one_rounding = exact.abs() * 2**-8 + 1e-6  # bf16 keeps 8 significant bits
+    assert ((out.double() - exact).abs() <= one_rounding).all()
+    x3 = torch.randn(2, rows, 2 * k, generator=g).bfloat16()[..., :k]  # leading dims and a row stride
+    out3 = cpu_native.bf16_linear(x3, packed, b, n)
+    assert out3.shape == (2, rows, n)
+    torch.testing.assert_close(
+        out3.reshape(-1, n), cpu_native.bf16_linear(x3.reshape(-1, k).contiguous(), packed, b, n)
+    )
+
+
+@needs_avx512_bf16
+def test_bf16_linear_declines_what_it_does_not_cover():
+    w = torch.randn(8, 5).bfloat16()
+    assert cpu_native.bf16_pack(w) is None  # odd K: no pairs
+    assert cpu_native.bf16_pack(w.float()) is None
+    packed = cpu_native.bf16_pack(torch.randn(8, 6).bfloat16())
+    assert cpu_native.bf16_linear(torch.randn(2, 6), packed, None, 8) is None  # float32 rows
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("amx", [False, True])
+def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
+    """Without AMX one native copy runs every row count; with AMX oneDNN's copy takes the rows past
+    BF16_NATIVE_MAX_ROWS_WITH_AMX. Both agree with torch's bf16 linear to one bf16 rounding."""
+    from llmdeploy.engine.models import layers
+
+    lin = torch.nn.Linear(46, 70).bfloat16()
+    packed = layers.PackedLinear(lin.weight, lin.bias, amx=amx, register=False)
+    assert packed.native is not None and (packed.packed is not None) == amx
+    torch.testing.assert_close(packed.weight, lin.weight.detach(), atol=0, rtol=0)
+    for rows in (1, layers.BF16_NATIVE_MAX_ROWS_WITH_AMX + 1, 64):
+        x = torch.randn(rows, 46).bfloat16()
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), lin(x), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
 def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     """The plain-C lanes (no AVX2 intrinsics), built here with a baseline x86-64 target, give the same results."""
@@ -176,11 +232,18 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     from llmdeploy.engine.models.layers import PackedLinear
 
     assert not cpu_native.f32_linear_available() and cpu_native.f32_pack(torch.ones(4, 4)) is None
+    assert (
+        not cpu_native.bf16_linear_available() and cpu_native.bf16_pack(torch.ones(4, 4).bfloat16()) is None
+    )
     if torch.backends.mkldnn.is_available():
         layer = torch.nn.Linear(16, 9)
         packed = PackedLinear(layer.weight, layer.bias)
         assert packed.native is None
         torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)
+        layer = layer.bfloat16()
+        packed = PackedLinear(layer.weight, layer.bias, register=False)
+        assert packed.native is None and packed.packed is not None
+        torch.testing.assert_close(packed(x.bfloat16()), layer(x.bfloat16()), atol=2e-2, rtol=2e-2)
 
 
 def test_switched_off_falls_back(monkeypatch):

@@ -89,36 +89,56 @@ def _packed_linear_shape(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+# Up to this many rows a bfloat16 layer runs the native vdpbf16ps kernel where the CPU also has AMX, whose tiles
+# outrun it on more rows; without AMX the native kernel runs every row count (within 8% of oneDNN's bf16 GEMM at
+# 2048 rows on Zen 4, 1.4x it at one row: bench/RESULTS.md), so the layer keeps one copy of its weight.
+BF16_NATIVE_MAX_ROWS_WITH_AMX = 16
+
+
 class PackedLinear(nn.Module):
     """A loaded nn.Linear whose weight is reordered once into a GEMM's blocked layout (CPU only): the native
-    float32 kernel's tiles where the CPU has AVX-512 (kernels/cpu_native.py: 1.6x oneDNN at one row, where decode
-    is bandwidth-bound, and on par at 2048 rows; bench/RESULTS.md), else oneDNN's.
+    kernels' tiles where the CPU has AVX-512 (float32) or AVX-512 BF16 (bfloat16) (kernels/cpu_native.py: 1.4-1.6x
+    oneDNN at one row, where decode is bandwidth-bound, and on par at 2048 rows; bench/RESULTS.md), else oneDNN's.
 
     oneDNN against torch's MKL path (2 threads, float32): 2x faster from 4 rows up (the LM head at 32 rows:
     21 ms -> 7 ms) and 1.4x at one row; bfloat16 gains 1.1-3x. Same fp32 accuracy (different summation order)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, amx: bool | None = None, register: bool = True
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.native = cpu_native.f32_pack(weight)  # None: not float32, or no AVX-512 here
+        self.dtype = weight.dtype
+        self.native = native_pack(weight)  # None: another dtype, or the CPU lacks the instructions
+        amx = has_amx() if amx is None else amx
+        bf16_both = self.native is not None and self.dtype == torch.bfloat16 and amx
+        self.native_max_rows = BF16_NATIVE_MAX_ROWS_WITH_AMX if bf16_both else None
         # no batch-size hint: oneDNN then picks a layout that is faster at every row count measured here (30
         # layers' projections, 2 threads, fp32: 1 row 11.8 -> 8.7 ms, 32 rows 25.5 -> 19.5, 256 rows 120 -> 112;
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
         self.packed = (
-            None if self.native is not None else torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            if self.native is None or bf16_both
+            else None
         )
-        self.bias = bias if bias is None or self.native is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
         # torch.compile cannot trace an opaque packed tensor: compiled code reaches this module through the handle
         self.register_buffer("handle", torch.tensor(len(PACKED_LINEARS)), persistent=False)
-        PACKED_LINEARS.append(self)
+        if (
+            register
+        ):  # a layer only timed (engine/cpu_dtype.py) is never compiled, and its memory goes with it
+            PACKED_LINEARS.append(self)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
-            out = cpu_native.f32_linear(x, self.native, self.bias, self.out_features)
+        if self.native is not None and (
+            self.native_max_rows is None or x.numel() <= self.native_max_rows * x.shape[-1]
+        ):
+            out = native_linear(x, self.native, self.bias, self.out_features)
             if out is not None:
                 return out
-            return F.linear(x, self.weight, self.bias)  # not float32 rows: the dense copy
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)  # rows of another dtype: the dense copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -129,9 +149,33 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:  # a dense copy, for inspection
         if self.native is None:
             return self.packed.to_dense()
-        tile = cpu_native.F32_TILE
-        tiles = self.native.view(-1, self.in_features, tile).transpose(1, 2)
-        return tiles.reshape(-1, self.in_features)[: self.out_features]
+        tile, k = cpu_native.F32_TILE, self.in_features
+        if self.dtype == torch.bfloat16:  # [tiles, K/2, tile, 2] -> [tiles, tile, K/2, 2]
+            tiles = self.native.view(-1, k // 2, tile, 2).permute(0, 2, 1, 3)
+        else:  # [tiles, K, tile] -> [tiles, tile, K]
+            tiles = self.native.view(-1, k, tile).transpose(1, 2)
+        return tiles.reshape(-1, k)[: self.out_features]
+
+
+def native_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.dtype == torch.bfloat16:
+        return cpu_native.bf16_pack(weight)
+    return cpu_native.f32_pack(weight)
+
+
+def native_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    if packed.dtype == torch.bfloat16:
+        return cpu_native.bf16_linear(x, packed, bias, n)
+    return cpu_native.f32_linear(x, packed, bias, n)
+
+
+@functools.cache
+def has_amx() -> bool:
+    from llmdeploy.engine.cpu_dtype import cpu_flags  # imported here: cpu_dtype times PackedLinear
+
+    return "amx_bf16" in cpu_flags()
 
 
 def pack_linears(model: nn.Module) -> None:

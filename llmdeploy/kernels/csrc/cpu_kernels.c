@@ -647,3 +647,101 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
     return -2;
 #endif
 }
+
+/* ---------------------------------------------------------------- bfloat16 linear (AVX-512 BF16) */
+
+/* bf16 weights packed at load (llmd_bf16_pack) in tiles of BF16_NR channels and pairs of inputs: tile t, pair p
+ * -> 2 x 16 channels x (w[c, 2p], w[c, 2p + 1]), the operand order of vdpbf16ps, which adds both products of a
+ * pair into a float32 lane. Half the bytes of float32 for the bandwidth-bound rows of decode; many rows stay with
+ * oneDNN (AMX or its own bf16 GEMM). K must be even. */
+#define BF16_NR 32
+
+int llmd_has_avx512_bf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int llmd_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
+    if (K % 2) return -1;
+    const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t p = 0; p < K / 2; p++)
+            for (int64_t c = 0; c < BF16_NR; c++)
+                for (int64_t j = 0; j < 2; j++) {
+                    const int64_t n = t * BF16_NR + c;
+                    packed[((t * (K / 2) + p) * BF16_NR + c) * 2 + j] = n < N ? w[n * K + 2 * p + j] : 0;
+                }
+    return 0;
+}
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, int64_t xs, const uint16_t *tile,
+                                                            int64_t K, const uint16_t *bias, uint16_t *y, int64_t ys,
+                                                            int real, const int MR) {
+    __m512 a0[F32_MR], a1[F32_MR];
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 2; p++) {
+        const uint16_t *wp = tile + p * BF16_NR * 2;
+        _mm_prefetch((const char *)(wp + BF16_NR * 2 * 8), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + BF16_NR * 2 * 8 + 32), _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+        for (int i = 0; i < MR; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * xs + 2 * p, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            a0[i] = _mm512_dpbf16_ps(a0[i], xb, w0);
+            a1[i] = _mm512_dpbf16_ps(a1[i], xb, w1);
+        }
+    }
+    float b[BF16_NR] = {0};
+    if (bias)
+        for (int c = 0; c < real; c++) {
+            const uint32_t u = (uint32_t)bias[c] << 16;
+            memcpy(&b[c], &u, sizeof u);
+        }
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    const __mmask16 m0 = real >= 16 ? 0xFFFF : (__mmask16)((1u << real) - 1);
+    const __mmask16 m1 = real <= 16 ? 0 : real >= 32 ? 0xFFFF : (__mmask16)((1u << (real - 16)) - 1);
+    for (int i = 0; i < MR; i++) {
+        const __m256bh r0 = _mm512_cvtneps_pbh(_mm512_add_ps(a0[i], b0));
+        const __m256bh r1 = _mm512_cvtneps_pbh(_mm512_add_ps(a1[i], b1));
+        _mm256_mask_storeu_epi16(y + i * ys, m0, (__m256i)r0);
+        _mm256_mask_storeu_epi16(y + i * ys + 16, m1, (__m256i)r1);
+    }
+}
+
+#define BF16_CASE(R) case R: bf16_block(x, xs, tile, K, bias, y, ys, real, R); break;
+static void bf16_rows(const uint16_t *x, int64_t xs, const uint16_t *tile, int64_t K, const uint16_t *bias,
+                      uint16_t *y, int64_t ys, int real, int64_t mr) {
+    switch (mr) {
+    BF16_CASE(1) BF16_CASE(2) BF16_CASE(3) BF16_CASE(4) BF16_CASE(5) BF16_CASE(6)
+    BF16_CASE(7) BF16_CASE(8) BF16_CASE(9) BF16_CASE(10) BF16_CASE(11)
+    default: bf16_block(x, xs, tile, K, bias, y, ys, real, F32_MR);
+    }
+}
+#endif
+
+/* y[M, N] bf16 (contiguous) = x[M, K] bf16 (row stride x_stride) @ w[N, K]^T (+ bias[N]) with float32 sums,
+ * rounded once to bf16 (as oneDNN does); w packed by llmd_bf16_pack. -2 without AVX-512 BF16. */
+int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                     int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX512BF16__)
+    if (nthreads < 1 || M < 1 || K % 2) return -1;
+    const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint16_t *tile = packed + t * BF16_NR * K;
+        const int real = N - t * BF16_NR < BF16_NR ? (int)(N - t * BF16_NR) : BF16_NR;
+        for (int64_t m = 0; m < M; m += F32_MR)
+            bf16_rows(x + m * x_stride, x_stride, tile, K, bias ? bias + t * BF16_NR : NULL, y + m * N + t * BF16_NR,
+                      N, real, M - m < F32_MR ? M - m : F32_MR);
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
+}
