@@ -17,8 +17,9 @@ A short request's TTFT is the rest of the step running when it arrives plus its 
   prefill adds to a step (llmdeploy/engine/prefill_limits.py). The limits follow the live step-cost model
   (`set_cost`).
 - A chunk that does not complete its prompt (a long prompt's, or a short one's that does not fit) joins a step
-  that completes prompts ahead of it in the order only within their deadlines: the step must still end before the
-  earliest of them. Work that is more urgent than those prompts comes before them anyway.
+  that completes prompts ahead of it in the order only within their ride limits: the step must still end within
+  1.25x each one's own prefill from its arrival (policies/deadline.py); a chunk whose own prompt is behind its
+  deadline rides up to their deadlines instead. Work that is more urgent than those prompts comes before them.
 - Costs count attention (`attn_cost_context`): a token at context c costs about (1 + c / attn_cost_context)
   tokens, so late chunks of a long prompt shrink and every step stays about as long as its cost in fresh tokens.
 Out of blocks: preemption by recompute; the victim is the most recently admitted sequence, which has the least
@@ -37,7 +38,7 @@ from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.errors import CapacityError, ContextLengthError
 from llmdeploy.engine.prefill_limits import LongPrefillLimits, limits_for_cost, moved
 from llmdeploy.engine.sequence import Sequence, SequenceStatus
-from llmdeploy.policies.deadline import relative_deadline_s
+from llmdeploy.policies.deadline import relative_deadline_s, ride_limit_s
 from llmdeploy.policies.step_cost import StepCost, chunk_cost
 
 
@@ -96,7 +97,8 @@ class _StepSoFar:
     long_budget: float  # long prompts' chunks, cost
     crowded: bool  # other work is in the engine
     prefill_cost: float = 0.0
-    finish_by: float = math.inf
+    finish_by: float = math.inf  # the earliest deadline among the prompts the step completes
+    ride_by: float = math.inf  # the earliest ride limit among them
 
 
 class Scheduler:
@@ -137,6 +139,9 @@ class Scheduler:
             self.long_prefill_budget_alone = long_prefill_budget_alone or math.inf
         self.long_prefills: set[int] = set()  # running sequences whose prompt was long at admission
         self.deadlines: dict[int, float] = {}  # seq_id -> first-token deadline (on self.clock)
+        self.ride_limits: dict[
+            int, float
+        ] = {}  # seq_id -> end of the steps completing it that others may join
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.waiting: list[Sequence] = []  # preempted ones at the front
         self.running: list[Sequence] = []  # in admission order
@@ -190,6 +195,7 @@ class Scheduler:
         self.deadlines[seq.seq_id] = start + relative_deadline_s(
             self.cost, seq.num_uncomputed, self.ttft_sla_s
         )
+        self.ride_limits[seq.seq_id] = start + ride_limit_s(self.cost, seq.num_uncomputed, self.ttft_sla_s)
         self.waiting.append(seq)
 
     def deadline(self, seq: Sequence) -> float:
@@ -264,6 +270,7 @@ class Scheduler:
             step.long_budget -= cost
         if chunk == seq.num_uncomputed:
             step.finish_by = min(step.finish_by, self.deadline(seq))
+            step.ride_by = min(step.ride_by, self.ride_limits.get(seq.seq_id, self.deadline(seq)))
             if seq.num_forks:
                 self._fork(seq, batch)
 
@@ -276,12 +283,23 @@ class Scheduler:
             return limit
         if self.cost.prefill_token_s <= 0:
             return limit
-        # judged on the conservative step time: on a noisy machine (a larger fit error) fewer chunks ride along
-        spare_s = (step.finish_by - step.now) / self.cost.conservative(1.0)
+        # a prompt that would miss its own deadline at its pace rides up to the others' deadlines, else only
+        # within their ride limits; judged on the conservative step time (a noisy machine: fewer riders)
+        end = step.finish_by if self._behind(seq, step) else step.ride_by
+        spare_s = (end - step.now) / self.cost.conservative(1.0)
         room = (spare_s - self.cost.step_s(step.prefill_cost, step.decodes)) / self.cost.prefill_token_s
         if room < chunk_cost(seq.num_computed_tokens, 1, self.attn_cost_context):
             return 0
         return min(limit, self._chunk_for(seq, room))
+
+    def _behind(self, seq: Sequence, step: _StepSoFar) -> bool:
+        """Whether seq's deadline leaves less than its remaining prefill again (at one chunk of the long budget a
+        step): other work takes steps too, so a prompt with less slack than that must not wait for riding room."""
+        per_step = self.long_prefill_budget if self.is_long(seq) else self.max_num_batched_tokens
+        left = self.cost.prefill_s(
+            seq.num_uncomputed, int(per_step or 1), step.decodes, seq.num_computed_tokens
+        )
+        return step.now + 2 * left > self.deadline(seq)
 
     def _limit(self, seq: Sequence, budget: int, long_budget: float, crowded: bool) -> int:
         """Most tokens seq's chunk may have this step: the token budget, the long prompts' cost budget, and while
@@ -330,6 +348,7 @@ class Scheduler:
             self.bm.fork(parent, child)
             child.num_computed_tokens = len(parent)  # the parent's chunk computes the shared prompt this step
             self.deadlines[child.seq_id] = self.deadline(parent)
+            self.ride_limits[child.seq_id] = self.ride_limits.get(parent.seq_id, self.deadline(parent))
             self.running.append(child)
             batch.forks.append((parent, child))
         parent.num_forks = 0
@@ -367,6 +386,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.deadlines.pop(seq.seq_id, None)
+        self.ride_limits.pop(seq.seq_id, None)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def pending_prefill_tokens(self) -> int:

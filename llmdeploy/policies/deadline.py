@@ -19,6 +19,11 @@ from llmdeploy.policies.step_cost import StepCost, chunk_cost
 # Deadline over own prefill. The targets (bench/mixed_ttft.py) are 2.5x alone for short prompts and 3x for long
 # ones; alone there also pays the chunking, so 2 leaves room for the prediction's error.
 STRETCH = 2.0
+# A chunk that does not complete its prompt rides in a step that completes prompts only while that step still ends
+# within RIDE_STRETCH x each completed prompt's own prefill from its arrival. Riding up to the deadline itself
+# (STRETCH) made such steps 1.4-1.9x a short prompt's step alone, on top of the step it had waited for: short p99
+# 2.3-3.0x alone at every arrival rate (bench/mixed_ttft.py, Zen 4 bf16, step trace in bench/RESULTS.md).
+RIDE_STRETCH = 1.25
 DEFAULT_TTFT_SLA_S = 1.0  # = SLASpec.ttft_p99_ms's default, for an engine run without a spec
 
 
@@ -38,6 +43,15 @@ def relative_deadline_s(cost: StepCost, prompt_tokens: int, ttft_sla_s: float) -
     if alone > ttft_sla_s:
         return STRETCH * alone  # scaled: the SLA is out of its reach
     return min(ttft_sla_s, STRETCH * alone)
+
+
+def ride_limit_s(cost: StepCost, prompt_tokens: int, ttft_sla_s: float) -> float:
+    """Seconds from arrival within which a step that completes this prompt must end for another prompt's partial
+    chunk to ride in it (never past the deadline)."""
+    return min(
+        relative_deadline_s(cost, prompt_tokens, ttft_sla_s),
+        RIDE_STRETCH * own_prefill_s(cost, prompt_tokens),
+    )
 
 
 def ttft_target_s(cost: StepCost | None, prompt_tokens: int, ttft_sla_s: float) -> float:

@@ -86,7 +86,7 @@ def test_aging_bounds_how_long_a_long_prompt_waits():
     assert long.is_finished
 
 
-def test_a_partial_chunk_joins_a_step_that_completes_a_prompt_only_within_its_deadline():
+def test_a_partial_chunk_joins_a_step_that_completes_a_prompt_only_within_its_ride_limit():
     sched = make_scheduler(max_num_batched_tokens=32, num_blocks=128)
     other = seq(4, max_tokens=50, start=900)
     sched.add(other)
@@ -99,8 +99,8 @@ def test_a_partial_chunk_joins_a_step_that_completes_a_prompt_only_within_its_de
     sched.add(late, arrival=sched.clock() - 1.0)  # already past its deadline
     assert step(sched).prefills == [(late, 6)]  # the late prompt's step carries nothing else
     fresh = seq(6, start=700)
-    sched.add(fresh)  # due 12 ms from now at 1 ms a token: 6 for itself, 6 to spare
-    assert step(sched).prefills == [(fresh, 6), (long, 6)]
+    sched.add(fresh)  # due 12 ms from now at 1 ms a token, but others ride only within 1.25 x its 6 ms
+    assert step(sched).prefills == [(fresh, 6), (long, 1)]
     assert step(sched).prefills == [(long, 29)]  # three decodes now
 
 
@@ -191,19 +191,32 @@ def test_long_prompt_chunks_are_capped_while_others_run():
     assert [n for s, n in step(alone).prefills] == [64]  # nothing else in the engine: the whole budget
 
 
-def test_short_prompts_go_before_long_ones_and_long_chunks_ride_only_within_their_deadline():
+def test_short_prompts_go_before_long_ones_and_long_chunks_ride_only_within_their_ride_limit():
     sched, other = busy_long_prefill_scheduler()
     long = seq(200)
     sched.add(long)
     for _ in range(5):
         assert step(sched).prefills == [(long, 24)]
     short = seq(30, start=500)  # more tokens left than the long prompt's next chunk, yet first
-    sched.add(short)  # due in 60 ms: room for a whole long chunk after its own 30
-    assert step(sched).prefills == [(short, 30), (long, 24)]
+    sched.add(short)  # due in 60 ms, but its step may end within 1.25 x its own 30 ms (+ 1 decode): 7 ride
+    assert step(sched).prefills == [(short, 30), (long, 7)]
     late = seq(30, start=600)
     sched.add(late, arrival=sched.clock() - 1.0)
     assert step(sched).prefills == [(late, 30)]  # its first token comes from a step without long work
     assert step(sched).prefills == [(long, 24)]
+
+
+def test_a_long_prompt_behind_its_deadline_rides_up_to_the_short_ones_deadline():
+    """Once its slack is less than its remaining prefill again, a long prompt's chunk may use the room up to the
+    short prompt's deadline (the old, looser rule), so a stream of short prompts cannot push it past its own."""
+    sched, other = busy_long_prefill_scheduler()
+    long = seq(200)
+    sched.add(long)
+    step(sched)
+    sched.clock.t = sched.deadline(long) - 0.3  # 176 tokens left: about 0.2 s of prefill, 0.3 s of slack
+    short = seq(30, start=500)
+    sched.add(short)
+    assert step(sched).prefills == [(short, 30), (long, 24)]
 
 
 def test_a_long_prompt_stays_long_to_its_last_chunk():
