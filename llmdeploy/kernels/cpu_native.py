@@ -36,6 +36,21 @@ SIGNATURES = {
     "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_f32_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_has_avx512_bf16": [],
+    "llmd_add_rms_norm_bf16": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
+    "llmd_silu_mul_bf16": [c_ptr, c_ptr, c_int64, c_int64, c_int],
+    "llmd_rope_store_bf16": [
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_int,
+    ],
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_bf16_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_paged_decode_attention": [
@@ -370,14 +385,20 @@ def bf16_linear(
     )
 
 
-def _fp32_rows(*tensors: torch.Tensor | None) -> bool:
-    """All float32 CPU tensors, rows contiguous (what the small fused kernels take), outside torch.compile."""
-    if torch.compiler.is_compiling():
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the small fused kernels take (bf16: the `_bf16` variants)
+
+
+def _rows_of(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
+    """All CPU tensors of `dtype` (float32 or bfloat16), rows contiguous, outside torch.compile."""
+    if torch.compiler.is_compiling() or dtype not in ROW_DTYPES:
         return False
     return all(
-        t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
-        for t in tensors
+        t is None or (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()) for t in tensors
     )
+
+
+def _variant(lib: ctypes.CDLL, name: str, dtype: torch.dtype):
+    return getattr(lib, name + "_bf16" if dtype == torch.bfloat16 else name)
 
 
 def add_rms_norm(
@@ -385,14 +406,19 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(x + residual) normalised times weight, and x + residual, in one pass; None if not applicable."""
     dim = x.shape[-1]
-    if dim % 8 or not _fp32_rows(x, weight, residual) or (residual is not None and residual.shape != x.shape):
+    if (
+        dim % 8
+        or not _rows_of(x.dtype, x, weight, residual)
+        or weight.shape != (dim,)
+        or (residual is not None and residual.shape != x.shape)
+    ):
         return None
     lib = library()
     if lib is None:
         return None
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
-    rc = lib.llmd_add_rms_norm(
+    rc = _variant(lib, "llmd_add_rms_norm", x.dtype)(
         x.data_ptr(),
         residual.data_ptr() if residual is not None else None,
         weight.data_ptr(),
@@ -409,13 +435,15 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
     inter = x.shape[-1] // 2
-    if inter % 8 or not _fp32_rows(x):
+    if inter % 8 or not _rows_of(x.dtype, x):
         return None
     lib = library()
     if lib is None:
         return None
-    out = torch.empty(*x.shape[:-1], inter)
-    rc = lib.llmd_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _threads())
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    rc = _variant(lib, "llmd_silu_mul", x.dtype)(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _threads()
+    )
     return out if rc == 0 else None
 
 
@@ -438,7 +466,8 @@ def rope_and_store(
         head_dim % 16
         or qkv.shape[1:] != (num_heads + 2 * num_kv_heads, head_dim)
         or cos.shape != (n, 1, head_dim)
-        or not _fp32_rows(qkv, cos, sin, k_cache, v_cache)
+        or not _rows_of(qkv.dtype, qkv, k_cache, v_cache)
+        or not _rows_of(torch.float32, cos, sin)
         or slot_mapping.dtype != torch.int64
         or not slot_mapping.is_contiguous()
     ):
@@ -446,7 +475,7 @@ def rope_and_store(
     lib = library()
     if lib is None:
         return False
-    rc = lib.llmd_rope_store(
+    rc = _variant(lib, "llmd_rope_store", qkv.dtype)(
         qkv.data_ptr(),
         n,
         num_heads,

@@ -222,8 +222,8 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) normalised; returns (normed, new residual) so layers can chain the fused form.
     Rounds like transformers' RMSNorm: normalise in float32, cast to x's dtype, then multiply by the weight.
-    float32 on CPU: one pass of the native kernel (F.rms_norm is eight small ops here)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+    float32 or bfloat16 on CPU: one pass of the native kernel (F.rms_norm is eight small ops here)."""
+    if x.dtype == weight.dtype:
         fused = cpu_native.add_rms_norm(x, weight, eps, residual)
         if fused is not None:
             return fused

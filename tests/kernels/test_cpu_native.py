@@ -276,7 +276,24 @@ def test_add_rms_norm_matches_torch(rows, with_residual):
     torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)  # the residual stream is exact
     ref = torch.nn.functional.rms_norm(ref_sum, (64,), w, 1e-5)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
-    assert cpu_native.add_rms_norm(x.bfloat16(), w, 1e-5, None) is None  # float32 only
+    assert cpu_native.add_rms_norm(x.bfloat16(), w, 1e-5, None) is None  # dtypes must agree
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_bf16_rounds_where_torch_does(rows, with_residual):
+    """bf16: x + residual rounded, normalised in float32 and rounded, times the weight and rounded, as the torch
+    path (kernels/reference.py) computes it: equal but for a last-bit tie in the sum of squares' order."""
+    torch.manual_seed(rows)
+    x, r, w = torch.randn(rows, 64).bfloat16(), torch.randn(rows, 64).bfloat16(), torch.randn(64).bfloat16()
+    residual = r if with_residual else None
+    out, summed = cpu_native.add_rms_norm(x, w, 1e-5, residual)
+    assert out.dtype == summed.dtype == torch.bfloat16
+    ref_sum = x + r if with_residual else x
+    torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)
+    ref = torch.nn.functional.rms_norm(ref_sum.float(), (64,), None, 1e-5).bfloat16() * w
+    torch.testing.assert_close(out, ref, atol=0, rtol=2**-7)  # at most one bf16 step apart
+    assert (out == ref).float().mean() > 0.97
 
 
 @pytest.mark.parametrize("rows", [1, 33])
@@ -288,12 +305,25 @@ def test_silu_and_mul_matches_torch(rows):
     )
 
 
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_and_mul_bf16_rounds_where_torch_does(rows):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * 48) * 4).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    out = cpu_native.silu_and_mul(x)
+    assert out.dtype == torch.bfloat16
+    ref = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(out, ref, atol=0, rtol=2**-7)  # expf here, torch's own exp there
+    assert (out == ref).float().mean() > 0.97
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_rope_and_store_matches_torch(tokens):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_store_matches_torch(tokens, dtype):
     h, hkv, d, block = 4, 2, 32, 16
     cache_shape = (6, block, hkv, d)
-    k_cache, v_cache = torch.zeros(cache_shape), torch.zeros(cache_shape)
-    qkv = torch.randn(tokens, h + 2 * hkv, d)
+    k_cache, v_cache = torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype)
+    qkv = torch.randn(tokens, h + 2 * hkv, d).to(dtype)
     positions = torch.randint(0, 500, (tokens,))
     angles = positions[:, None].float() * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
     table = torch.zeros(512, d)

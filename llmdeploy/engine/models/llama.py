@@ -127,7 +127,7 @@ class LlamaAttention(nn.Module):
         h, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, h + 2 * hkv, self.head_dim)
         if self.q_norm is None and rope_and_store(self.attn, qkv, h, hkv, rope, meta):
-            # float32 on CPU: q and k rotated in place and k, v stored by one native call; attention only reads
+            # float32 or bf16 on CPU: q and k rotated in place, k and v stored by one native call; attention reads
             out = self.o_proj(attend(self.attn, qkv[:, :h], meta).view(-1, self.q_size))
             return out if self.tp_size == 1 else all_reduce(out)
         q, k, v = qkv.split([h, hkv, hkv], dim=1)

@@ -561,6 +561,101 @@ int llmd_rope_store(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, co
     return 0;
 }
 
+/* ---------------------------------------------------------------- the same three in bfloat16 */
+
+/* bf16 in and out, float32 math, each rounding where torch's bf16 ops round (a bf16 op computes in float32 and
+ * rounds its result to nearest even): x + residual, the normalised value, its product with the weight; silu, its
+ * product with up; the rotated q and k. The engine's bf16 decode step ran these as ~12 small torch ops a layer. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline void v8_store_bf16(uint16_t *p, v8 x) {
+    float t[8];
+    v8_store(t, x);
+    for (int i = 0; i < 8; i++) p[i] = bf16_round(t[i]);
+}
+static inline v8 v8_round_bf16(v8 x) { /* to bf16 precision, kept in float32 */
+    uint16_t h[8];
+    v8_store_bf16(h, x);
+    return v8_load_bf16(h);
+}
+
+int llmd_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out,
+                           uint16_t *res_out, int64_t rows, int64_t dim, float eps, int nthreads) {
+    if (dim % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        uint16_t *orow = out + r * dim, *sr = res_out + r * dim;
+        v8 ss = v8_zero();
+        for (int64_t d = 0; d < dim; d += 8) {
+            v8 v = v8_load_bf16(xr + d);
+            if (rr) {
+                v = v8_round_bf16(v8_add(v, v8_load_bf16(rr + d)));
+                v8_store_bf16(sr + d, v);
+            }
+            ss = v8_fma(v, v, ss);
+        }
+        const v8 iv = v8_set1(1.0f / sqrtf(v8_hsum(ss) / (float)dim + eps));
+        for (int64_t d = 0; d < dim; d += 8) {
+            const v8 normed = v8_round_bf16(v8_mul(v8_load_bf16(sr + d), iv));
+            v8_store_bf16(orow + d, v8_mul(normed, v8_load_bf16(w + d)));
+        }
+    }
+    return 0;
+}
+
+int llmd_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t inter, int nthreads) {
+    if (inter % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t d = 0; d < inter; d += 8) {
+            const v8 gv = v8_load_bf16(g + d);
+            const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
+            float tmp[8], gs[8], es[8];
+            v8_store(gs, gv);
+            v8_store(es, e);
+            for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
+            v8_store_bf16(o + d, v8_mul(v8_round_bf16(v8_load(tmp)), v8_load_bf16(u + d)));
+        }
+    }
+    return 0;
+}
+
+int llmd_rope_store_bf16(uint16_t *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos,
+                         const float *sin, const int64_t *slot_mapping, uint16_t *k_cache, uint16_t *v_cache,
+                         int nthreads) {
+    if (D % 16) return -1;
+    const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(threads_for(N, nthreads))
+    for (int64_t n = 0; n < N; n++) {
+        uint16_t *r = qkv + n * row;
+        const float *c = cos + n * D, *s = sin + n * D;
+        for (int64_t h = 0; h < H + Hkv; h++) {
+            uint16_t *x = r + h * D;
+            for (int64_t d = 0; d < half; d += 8) {
+                const v8 lo = v8_load_bf16(x + d), hi = v8_load_bf16(x + half + d);
+                const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));
+                const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d)));
+                v8_store_bf16(x + d, new_lo);
+                v8_store_bf16(x + half + d, new_hi);
+            }
+        }
+        const int64_t slot = slot_mapping[n];
+        if (slot >= 0) {
+            memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(uint16_t) * Hkv * D);
+            memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(uint16_t) * Hkv * D);
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- float32 linear (AVX-512) */
 
 /* Weights packed at load (llmd_f32_pack) in tiles of F32_NR output channels, k-major inside a tile: tile t,
