@@ -37,7 +37,6 @@ SIGNATURES = {
     "llmd_f32_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_has_avx512_bf16": [],
     "llmd_add_rms_norm_bf16": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
-    "llmd_silu_mul_bf16": [c_ptr, c_ptr, c_int64, c_int64, c_int],
     "llmd_rope_store_bf16": [
         c_ptr,
         c_int64,
@@ -385,7 +384,7 @@ def bf16_linear(
     )
 
 
-ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the small fused kernels take (bf16: the `_bf16` variants)
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the norm and rotary kernels take (bf16: `_bf16` variants)
 
 
 def _rows_of(dtype: torch.dtype, *tensors: torch.Tensor | None) -> bool:
@@ -435,15 +434,13 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
     inter = x.shape[-1] // 2
-    if inter % 8 or not _rows_of(x.dtype, x):
+    if inter % 8 or not _rows_of(torch.float32, x):  # bf16: torch's two vectorised ops were faster
         return None
     lib = library()
     if lib is None:
         return None
-    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
-    rc = _variant(lib, "llmd_silu_mul", x.dtype)(
-        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _threads()
-    )
+    out = torch.empty(*x.shape[:-1], inter)
+    rc = lib.llmd_silu_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, _threads())
     return out if rc == 0 else None
 
 

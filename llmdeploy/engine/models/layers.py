@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim -> silu(gate) * up (float32 or bfloat16 on CPU: one native pass)."""
+    """x = [gate | up] along the last dim -> silu(gate) * up (float32 on CPU: one native pass)."""
     fused = cpu_native.silu_and_mul(x)
     if fused is not None:
         return fused
