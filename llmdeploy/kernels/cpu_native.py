@@ -30,28 +30,18 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+# argument lists shared by a kernel's float32 and bfloat16 variants
+LINEAR_ARGS = [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
+NORM_ARGS = [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int]
+ROPE_ARGS = [c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
 SIGNATURES = {
     "llmd_has_avx2": [],
     "llmd_has_avx512": [],
-    "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
-    "llmd_f32_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_has_avx512_bf16": [],
-    "llmd_add_rms_norm_bf16": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
-    "llmd_rope_store_bf16": [
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int,
-    ],
+    "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_f32_linear": LINEAR_ARGS,
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
-    "llmd_bf16_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
+    "llmd_bf16_linear": LINEAR_ARGS,
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -72,21 +62,11 @@ SIGNATURES = {
     ],
     "llmd_int8_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
     "llmd_int8_pack": [c_ptr, c_int64, c_int64, c_ptr],
-    "llmd_add_rms_norm": [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int],
+    "llmd_add_rms_norm": NORM_ARGS,
+    "llmd_add_rms_norm_bf16": NORM_ARGS,
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
-    "llmd_rope_store": [
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int,
-    ],
+    "llmd_rope_store": ROPE_ARGS,
+    "llmd_rope_store_bf16": ROPE_ARGS,
 }
 
 
@@ -306,18 +286,21 @@ def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed if library().llmd_f32_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
 
 
-def f32_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+def _packed_linear(
+    kernel: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor | None:
-    """x[..., K] float32 @ weight[n, K]^T + bias, the weight as f32_pack made it; None if it does not apply."""
+    """x[..., K] @ weight[n, K]^T + bias through `kernel` (llmd_f32_linear or llmd_bf16_linear), everything in
+    packed's dtype; None if it does not apply."""
     lib = library()
     k = x.shape[-1]
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or packed.numel() % k:
+    if lib is None or x.dtype != packed.dtype or x.device.type != "cpu" or packed.numel() % k:
+        return None
+    if bias is not None and bias.dtype != packed.dtype:
         return None
     return _linear_rows(
         x,
         n,
-        lambda rows, out: lib.llmd_f32_linear(
+        lambda rows, out: getattr(lib, kernel)(
             rows.data_ptr(),
             rows.stride(0),
             packed.data_ptr(),
@@ -329,6 +312,13 @@ def f32_linear(
             _threads(),
         ),
     )
+
+
+def f32_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    """x[..., K] float32 @ weight[n, K]^T + bias, the weight as f32_pack made it; None if it does not apply."""
+    return _packed_linear("llmd_f32_linear", x, packed, bias, n)
 
 
 def bf16_linear_available() -> bool:
@@ -360,28 +350,10 @@ def bf16_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor | None:
     """x[..., K] bfloat16 @ weight[n, K]^T + bias -> bfloat16 (float32 sums, one rounding), the weight as
-    bf16_pack made it; None if it does not apply."""
-    lib = library()
-    k = x.shape[-1]
-    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or k % 2 or packed.numel() % k:
+    bf16_pack made it; None if it does not apply (odd K among them)."""
+    if x.shape[-1] % 2:
         return None
-    if bias is not None and bias.dtype != torch.bfloat16:
-        return None
-    return _linear_rows(
-        x,
-        n,
-        lambda rows, out: lib.llmd_bf16_linear(
-            rows.data_ptr(),
-            rows.stride(0),
-            packed.data_ptr(),
-            _ptr(bias),
-            out.data_ptr(),
-            rows.shape[0],
-            n,
-            k,
-            _threads(),
-        ),
-    )
+    return _packed_linear("llmd_bf16_linear", x, packed, bias, n)
 
 
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the norm and rotary kernels take (bf16: `_bf16` variants)

@@ -529,38 +529,6 @@ int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int n
     return 0;
 }
 
-/* One step's q/k rotation and K/V store. qkv: [N, (H + 2 * Hkv) * D] float32, rows of q heads, k heads, v heads;
- * cos, sin: [N, D] (full-width cos, sign-folded sin: x * cos + swap_halves(x) * sin). q and k heads are rotated in
- * place; then k and v rows go to the caches ([num_blocks * block_size, Hkv, D] float32) at slot_mapping[n]
- * (-1: not stored). */
-int llmd_rope_store(float *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                    const int64_t *slot_mapping, float *k_cache, float *v_cache, int nthreads) {
-    if (D % 16) return -1;
-    const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(threads_for(N, nthreads))
-    for (int64_t n = 0; n < N; n++) {
-        float *r = qkv + n * row;
-        const float *c = cos + n * D, *s = sin + n * D;
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            float *x = r + h * D;
-            for (int64_t d = 0; d < half; d += 8) {
-                const v8 lo = v8_load(x + d), hi = v8_load(x + half + d);
-                /* two products then a sum, as torch computes it (no fused multiply-add: same rounding) */
-                const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));
-                const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d)));
-                v8_store(x + d, new_lo);
-                v8_store(x + half + d, new_hi);
-            }
-        }
-        const int64_t slot = slot_mapping[n];
-        if (slot >= 0) {
-            memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(float) * Hkv * D);
-            memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(float) * Hkv * D);
-        }
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- norm and rotary in bfloat16 */
 
 /* bf16 in and out, float32 math, each rounding where torch's bf16 ops round (a bf16 op computes in float32 and
@@ -626,33 +594,41 @@ int llmd_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const ui
     return 0;
 }
 
-int llmd_rope_store_bf16(uint16_t *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos,
-                         const float *sin, const int64_t *slot_mapping, uint16_t *k_cache, uint16_t *v_cache,
-                         int nthreads) {
-    if (D % 16) return -1;
-    const int64_t row = (H + 2 * Hkv) * D, half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(threads_for(N, nthreads))
-    for (int64_t n = 0; n < N; n++) {
-        uint16_t *r = qkv + n * row;
-        const float *c = cos + n * D, *s = sin + n * D;
-        for (int64_t h = 0; h < H + Hkv; h++) {
-            uint16_t *x = r + h * D;
-            for (int64_t d = 0; d < half; d += 8) {
-                const v8 lo = v8_load_bf16(x + d), hi = v8_load_bf16(x + half + d);
-                const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));
-                const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d)));
-                v8_store_bf16(x + d, new_lo);
-                v8_store_bf16(x + half + d, new_hi);
-            }
-        }
-        const int64_t slot = slot_mapping[n];
-        if (slot >= 0) {
-            memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(uint16_t) * Hkv * D);
-            memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(uint16_t) * Hkv * D);
-        }
+/* One step's q/k rotation and K/V store. qkv: [N, (H + 2 * Hkv) * D] of T (float32 or bf16), rows of q heads, k
+ * heads, v heads; cos, sin: [N, D] float32 (full-width cos, sign-folded sin: x * cos + swap_halves(x) * sin). q and
+ * k heads are rotated in place (float32 math, stored back as T); then k and v rows go to the caches
+ * ([num_blocks * block_size, Hkv, D] of T) at slot_mapping[n] (-1: not stored). One body for both types. */
+#define LLMD_ROPE_STORE(NAME, T, LOAD, STORE)                                                                      \
+    int NAME(T *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,          \
+             const int64_t *slot_mapping, T *k_cache, T *v_cache, int nthreads) {                                \
+        if (D % 16) return -1;                                                                                   \
+        const int64_t row = (H + 2 * Hkv) * D, half = D / 2;                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(threads_for(N, nthreads))")                      \
+        for (int64_t n = 0; n < N; n++) {                                                                        \
+            T *r = qkv + n * row;                                                                                \
+            const float *c = cos + n * D, *s = sin + n * D;                                                      \
+            for (int64_t h = 0; h < H + Hkv; h++) {                                                              \
+                T *x = r + h * D;                                                                                \
+                for (int64_t d = 0; d < half; d += 8) {                                                          \
+                    const v8 lo = LOAD(x + d), hi = LOAD(x + half + d);                                          \
+                    /* two products then a sum, as torch computes it (no fused multiply-add: same rounding) */  \
+                    const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));           \
+                    const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d))); \
+                    STORE(x + d, new_lo);                                                                        \
+                    STORE(x + half + d, new_hi);                                                                 \
+                }                                                                                                \
+            }                                                                                                    \
+            const int64_t slot = slot_mapping[n];                                                                \
+            if (slot >= 0) {                                                                                     \
+                memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(T) * Hkv * D);                               \
+                memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(T) * Hkv * D);                       \
+            }                                                                                                    \
+        }                                                                                                        \
+        return 0;                                                                                                \
     }
-    return 0;
-}
+
+LLMD_ROPE_STORE(llmd_rope_store, float, v8_load, v8_store)
+LLMD_ROPE_STORE(llmd_rope_store_bf16, uint16_t, v8_load_bf16, v8_store_bf16)
 
 /* ---------------------------------------------------------------- float32 linear (AVX-512) */
 
