@@ -139,9 +139,8 @@ class Scheduler:
             self.long_prefill_budget_alone = long_prefill_budget_alone or math.inf
         self.long_prefills: set[int] = set()  # running sequences whose prompt was long at admission
         self.deadlines: dict[int, float] = {}  # seq_id -> first-token deadline (on self.clock)
-        self.ride_limits: dict[
-            int, float
-        ] = {}  # seq_id -> end of the steps completing it that others may join
+        # seq_id -> when a step completing it must end for other prompts' partial chunks to join it
+        self.ride_limits: dict[int, float] = {}
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
         self.waiting: list[Sequence] = []  # preempted ones at the front
         self.running: list[Sequence] = []  # in admission order
@@ -283,8 +282,8 @@ class Scheduler:
             return limit
         if self.cost.prefill_token_s <= 0:
             return limit
-        # a prompt that would miss its own deadline at its pace rides up to the others' deadlines, else only
-        # within their ride limits; judged on the conservative step time (a noisy machine: fewer riders)
+        # a prompt short of slack (_behind) rides up to the others' deadlines, any other only within their ride
+        # limits; judged on the conservative step time (a noisy machine: fewer riders)
         end = step.finish_by if self._behind(seq, step) else step.ride_by
         spare_s = (end - step.now) / self.cost.conservative(1.0)
         room = (spare_s - self.cost.step_s(step.prefill_cost, step.decodes)) / self.cost.prefill_token_s
