@@ -22,9 +22,8 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 m
 # alike: SmolLM2's projections measured 1.8-2x at both on Zen 4, while a tiny test model's measured 1.17x once and
 # under 1x other times (timing noise on microsecond calls)
 MIN_SPEEDUP = 1.3
-MIN_TIMED_S = (
-    50e-6  # a float32 projection faster than this at ROWS[-1] is call overhead, not a matmul to choose by
-)
+# a float32 projection faster than this at ROWS[-1] is call overhead, not a matmul to choose by
+MIN_TIMED_S = 50e-6
 ROWS = (1, 32)  # a decode step of one sequence, and of a batch
 # float32 weights cycled through per timing: more than a core's share of a server L3, so one row streams them from
 # memory as decode does (a single cache-resident matrix made one row look compute-bound)
@@ -63,9 +62,8 @@ def projection_seconds(hidden: int, intermediate: int, reps: int = 5) -> dict[in
     """Rows -> median seconds of one [rows, hidden] x [hidden, intermediate] projection in float32 and in bfloat16,
     each run as the engine runs it (PackedLinear: the native kernels or oneDNN, whichever this CPU gets), over a
     stack of weights too large to stay in cache, interleaved (a busy machine slows both alike)."""
-    from llmdeploy.engine.models.layers import (
-        PackedLinear,
-    )  # imported here: layers asks this module about AMX
+    # imported here: layers asks this module about AMX
+    from llmdeploy.engine.models.layers import PackedLinear
 
     count = max(1, min(MAX_STACK, STACK_BYTES // (4 * hidden * intermediate)))
     f32, b16 = [], []

@@ -267,13 +267,18 @@ def int8_linear(
 F32_TILE = 32  # output channels per packed tile (F32_NR in cpu_kernels.c)
 
 
-def f32_linear_available() -> bool:
-    """Whether the native float32 linear runs here (it needs AVX-512; elsewhere oneDNN's packed GEMM stays).
-    LLMDEPLOY_NATIVE_LINEAR=0 keeps oneDNN's (the benchmarks' baseline)."""
+def _native_linear_runs(probe: str) -> bool:
+    """The library is built with the instructions `probe` reports, and LLMDEPLOY_NATIVE_LINEAR=0 (keep oneDNN's
+    GEMM: the benchmarks' baseline) is not set."""
     if os.environ.get("LLMDEPLOY_NATIVE_LINEAR", "1") == "0":
         return False
     lib = library()
-    return lib is not None and bool(lib.llmd_has_avx512())
+    return lib is not None and bool(getattr(lib, probe)())
+
+
+def f32_linear_available() -> bool:
+    """Whether the native float32 linear runs here (it needs AVX-512; elsewhere oneDNN's packed GEMM stays)."""
+    return _native_linear_runs("llmd_has_avx512")
 
 
 def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -322,12 +327,8 @@ def f32_linear(
 
 
 def bf16_linear_available() -> bool:
-    """Whether the native bfloat16 linear runs here (AVX-512 BF16's vdpbf16ps); LLMDEPLOY_NATIVE_LINEAR=0 keeps
-    oneDNN's for every row count."""
-    if os.environ.get("LLMDEPLOY_NATIVE_LINEAR", "1") == "0":
-        return False
-    lib = library()
-    return lib is not None and bool(lib.llmd_has_avx512_bf16())
+    """Whether the native bfloat16 linear runs here (AVX-512 BF16's vdpbf16ps)."""
+    return _native_linear_runs("llmd_has_avx512_bf16")
 
 
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -354,6 +355,18 @@ def bf16_linear(
     if x.shape[-1] % 2:
         return None
     return _packed_linear("llmd_bf16_linear", x, packed, bias, n)
+
+
+def native_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in its dtype's native linear layout (f32_pack, bf16_pack), or None where none applies."""
+    return bf16_pack(weight) if weight.dtype == torch.bfloat16 else f32_pack(weight)
+
+
+def native_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor | None:
+    """f32_linear or bf16_linear by the packed weight's dtype; None if it does not apply."""
+    return (bf16_linear if packed.dtype == torch.bfloat16 else f32_linear)(x, packed, bias, n)
 
 
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the norm and rotary kernels take (bf16: `_bf16` variants)

@@ -109,7 +109,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        self.native = native_pack(weight)  # None: another dtype, or the CPU lacks the instructions
+        self.native = cpu_native.native_pack(weight)  # None: another dtype, or the CPU lacks the instructions
         amx = has_amx() if amx is None else amx
         bf16_both = self.native is not None and self.dtype == torch.bfloat16 and amx
         self.native_max_rows = BF16_NATIVE_MAX_ROWS_WITH_AMX if bf16_both else None
@@ -124,16 +124,15 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
         # torch.compile cannot trace an opaque packed tensor: compiled code reaches this module through the handle
         self.register_buffer("handle", torch.tensor(len(PACKED_LINEARS)), persistent=False)
-        if (
-            register
-        ):  # a layer only timed (engine/cpu_dtype.py) is never compiled, and its memory goes with it
+        # a layer only timed (engine/cpu_dtype.py) is never compiled, and its memory goes with it
+        if register:
             PACKED_LINEARS.append(self)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and (
             self.native_max_rows is None or x.numel() <= self.native_max_rows * x.shape[-1]
         ):
-            out = native_linear(x, self.native, self.bias, self.out_features)
+            out = cpu_native.native_linear(x, self.native, self.bias, self.out_features)
             if out is not None:
                 return out
         if self.packed is not None:
@@ -155,20 +154,6 @@ class PackedLinear(nn.Module):
         else:  # [tiles, K, tile] -> [tiles, tile, K]
             tiles = self.native.view(-1, k, tile).transpose(1, 2)
         return tiles.reshape(-1, k)[: self.out_features]
-
-
-def native_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.dtype == torch.bfloat16:
-        return cpu_native.bf16_pack(weight)
-    return cpu_native.f32_pack(weight)
-
-
-def native_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
-) -> torch.Tensor | None:
-    if packed.dtype == torch.bfloat16:
-        return cpu_native.bf16_linear(x, packed, bias, n)
-    return cpu_native.f32_linear(x, packed, bias, n)
 
 
 @functools.cache
