@@ -2,7 +2,8 @@
 
     python bench/forward_cpu.py [--dtypes float32,bfloat16,int8] [--reps 20] [--workload] [--parity] [--json out.json]
 
-(`int8` = float32 activations over int8 weights, model.quantization: int8.)
+(`int8` / `gguf` = float32 activations over the weights of model.quantization int8 / gguf; `gguf:bfloat16` with
+bfloat16 activations.)
 
 Speed: decode batch 1 and batch 32 at context ~200, prefill of 128 and 512 tokens (forward + last-row logits);
 min and median of --reps. --workload: the forwards of issue 3's W alone. --parity: greedy tokens and logits
@@ -79,9 +80,11 @@ def summary(ts: list[float]) -> dict:
 
 
 def load_variant(dtype: str):
-    """A --dtypes entry -> the loaded model; `int8` is float32 activations over int8 weights."""
-    if dtype == "int8":
-        return load_model(MODEL, dtype="float32", quantization="int8")
+    """A --dtypes entry -> the loaded model: a dtype, or a quantization (int8, gguf) with float32 activations,
+    or QUANT:DTYPE (e.g. gguf:bfloat16)."""
+    quant, _, act = dtype.partition(":")
+    if quant in ("int8", "gguf"):
+        return load_model(MODEL, dtype=act or "float32", quantization=quant)
     return load_model(MODEL, dtype=dtype)
 
 

@@ -74,8 +74,8 @@ def server_cmd(name: str, gguf: Path, port: int, llama_python: str) -> tuple[lis
         return cmd, f"http://127.0.0.1:{port}/v1/models"
     cmd = [sys.executable, "-m", "llmdeploy.engine", "--model", str(gguf), "--served-alias", ALIAS]
     cmd += ["--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
-    if name == "int8":
-        cmd += ["--dtype", "float32", "--quantization", "int8"]
+    if name in ("int8", "gguf"):
+        cmd += ["--dtype", "float32", "--quantization", name]
     return cmd, f"http://127.0.0.1:{port}/health"
 
 

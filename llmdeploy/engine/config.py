@@ -30,7 +30,7 @@ class EngineConfig:
     seed: int = 0
     compile: bool = False  # engine.compile: torch.compile of the decoder layers on CPU
     base_dir: str | None = None  # relative model paths resolve against it (the YAML file's folder)
-    quantization: str = "none"  # model.quantization: none | int8 (weight-only, CPU)
+    quantization: str = "none"  # model.quantization: none | int8 | gguf (weight-only, CPU)
     # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
     ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
     tensor_parallel: int = 1  # parallel.tensor_parallel: ranks of this engine (engine/parallel/)
@@ -40,7 +40,7 @@ class EngineConfig:
         EngineSpec(**{k: getattr(self, k) for k in ENGINE_KEYS})
         assert self.max_model_len >= 1, "max_model_len must be >= 1"
         assert self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype}"
-        assert self.quantization in ("none", "int8"), f"unknown quantization {self.quantization}"
+        assert self.quantization in ("none", "int8", "gguf"), f"unknown quantization {self.quantization}"
         assert self.ttft_sla_ms > 0, "ttft_sla_ms must be > 0"
         assert self.tensor_parallel >= 1, "tensor_parallel must be >= 1"
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
+from llmdeploy.engine.gguf_blocks import read_block_weights
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import onednn_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
@@ -35,7 +36,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # are measured faster gets bfloat16 (engine/cpu_dtype.py).
 AUTO_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 COMPILE_BY_DEFAULT = False
-QUANTIZATIONS = ("none", "int8")  # model.quantization: weight-only, per output channel, CPU
+# model.quantization (weight-only, CPU): int8 = the loaded weights quantized to Q8 blocks; gguf = a GGUF file's own
+# Q8_0 / Q4_0 / Q4_1 blocks kept as they are (other tensor types dequantized as for none)
+QUANTIZATIONS = ("none", "int8", "gguf")
 
 
 @dataclass
@@ -47,7 +50,7 @@ class LoadedModel:
     device: torch.device
     source: ModelSource
     dtype_reason: str = ""  # why this dtype: asked for, or what `auto` found on this machine
-    quantization: str = "none"  # model.quantization: "int8" = int8 weights with per-channel scales
+    quantization: str = "none"  # model.quantization (QUANTIZATIONS)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -103,6 +106,11 @@ def load_model(
     dev = resolve_device(device)
     if quantization != "none" and dev.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on CPU only (device {dev.type})")
+    if quantization == "gguf" and (source.kind != "gguf" or shard.size > 1):
+        raise ValueError(
+            "quantization 'gguf' serves a .gguf file's own quantized weights on one CPU process "
+            f"(model {source.display}{', tensor_parallel > 1' if shard.size > 1 else ''})"
+        )
     torch_dtype, dtype_reason = resolve_dtype_for(dtype, dev, config)
     log.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), dtype_reason)
     backend = resolve_backend(kernel_backend, dev.type)
@@ -115,6 +123,8 @@ def load_model(
         model.load_weights(iter_safetensors(folder, pick))
     model.finish_loading(dev)
     model.eval().requires_grad_(False)
+    if quantization == "gguf":
+        keep_gguf_blocks(model, source.path, config)
     if shard.size > 1 and compile:
         log.warning("engine.compile is not used with tensor_parallel > 1: the layers run eager")
         compile = False
@@ -122,6 +132,16 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     arch = model_shape(config, max_positions, eos_token_ids(folder, config, tokenizer))
     return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source, dtype_reason, quantization)
+
+
+def keep_gguf_blocks(model: torch.nn.Module, path: Path, config: PretrainedConfig) -> None:
+    """model.quantization gguf: the projections stored in a block type the CPU kernel reads run from those blocks
+    (engine/gguf_blocks.py); the rest stay as the dequantized checkpoint loaded them."""
+    heads = config.num_attention_heads
+    blocks = read_block_weights(path, heads, getattr(config, "num_key_value_heads", None) or heads)
+    replaced = model.use_block_weights(blocks)
+    kinds = sorted({b.fmt.name for b in blocks.values()})
+    log.info("gguf blocks: %d projections kept quantized (%s)", len(replaced), ", ".join(kinds) or "none")
 
 
 def read_hf_config(path: str, base_dir: str | Path | None = None) -> PretrainedConfig:

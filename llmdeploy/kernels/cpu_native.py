@@ -10,6 +10,7 @@ threads. No compiler, a failed build, or LLMDEPLOY_NATIVE_KERNELS=0: every funct
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +36,8 @@ c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 LINEAR_ARGS = [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
 NORM_ARGS = [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int]
 ROPE_ARGS = [c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
+Q_PACK_ARGS = [c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr]
+Q_LINEAR_ARGS = [c_int, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
 SIGNATURES = {
     "llmd_has_avx2": [],
     "llmd_has_avx512": [],
@@ -60,8 +64,11 @@ SIGNATURES = {
         c_float,
         c_int,
     ],
-    "llmd_int8_linear": [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],
-    "llmd_int8_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_has_avx512_vnni": [],
+    "llmd_q_pack": Q_PACK_ARGS,
+    "llmd_q_linear": Q_LINEAR_ARGS,
+    "llmd_qv_pack": Q_PACK_ARGS,
+    "llmd_qv_linear": Q_LINEAR_ARGS,
     "llmd_add_rms_norm": NORM_ARGS,
     "llmd_add_rms_norm_bf16": NORM_ARGS,
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
@@ -209,18 +216,6 @@ def decode_attention(
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
-def int8_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """int8 [N, K] -> the kernel's layout (tiles of 8 channels, 64 contiguous bytes per 8 inputs; N padded to a
-    multiple of 8), or None where the kernel does not apply."""
-    lib = library()
-    n, k = weight.shape
-    if lib is None or weight.dtype != torch.int8 or k % 8:
-        return None
-    w = weight.contiguous()
-    packed = torch.empty(-(-n // 8) * 8 * k, dtype=torch.int8)
-    return packed if lib.llmd_int8_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
-
-
 def _linear_rows(x: torch.Tensor, n: int, kernel) -> torch.Tensor | None:
     """x[..., K] as rows with unit stride -> out [..., n] of x's dtype from kernel(rows, out) (0 on success)."""
     k = x.shape[-1]
@@ -237,23 +232,80 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def int8_linear(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """x[..., K] float32 @ (weight[N, K] int8 * scale[N])^T + bias -> [..., N] float32, the weight as int8_pack
-    made it (N = len(scale)); None if the kernel does not apply."""
+class QFormat(enum.IntEnum):
+    """GGUF's block-quantized weight formats the native kernel reads (fmt in cpu_kernels.c's q_linear)."""
+
+    Q8 = 0  # w = d * q, q int8, one float16 d per block (GGUF Q8_0; model.quantization int8)
+    Q4 = 1  # w = d * q + m, q in 0..15, float16 d and m per block (GGUF Q4_1; Q4_0 is m = -8 d)
+
+
+Q_BLOCK, Q_TILE = 32, 32  # inputs per block (GGUF's QK), channels per packed tile (QB, Q_NR in cpu_kernels.c)
+
+
+def q_packed_bytes(fmt: QFormat, n: int, k: int) -> int:
+    per_block = 2 * 64 + Q_BLOCK * 16 if fmt == QFormat.Q4 else 64 + Q_BLOCK * 32
+    return -(-n // Q_TILE) * (k // Q_BLOCK) * per_block
+
+
+@dataclass(frozen=True)
+class QPacked:
+    """A block-quantized weight in one of the kernel's layouts: `vnni` = llmd_qv_* (int8 dot products, x rounded
+    to int8 per block), else llmd_q_* (float32 products of the exact weights)."""
+
+    data: torch.Tensor  # uint8
+    fmt: QFormat
+    vnni: bool
+    out_features: int
+    in_features: int
+
+
+def q_vnni_available() -> bool:
+    """Whether the VNNI kernel runs here (AVX-512 VNNI); LLMDEPLOY_QUANT_VNNI=0 keeps the float32 kernel."""
     lib = library()
-    n, k = scale.shape[0], x.shape[-1]
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or k % 8:
+    return (
+        os.environ.get("LLMDEPLOY_QUANT_VNNI", "1") != "0"
+        and lib is not None
+        and bool(lib.llmd_has_avx512_vnni())
+    )
+
+
+def q_pack(
+    fmt: QFormat, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, vnni: bool | None = None
+) -> QPacked | None:
+    """q [N, K] (int8; Q4: uint8 0..15), d and m [N, K / 32] float16 -> the kernel's byte layout (tiles of 32
+    channels, per block their scales then their quants; `vnni`: default where it runs), or None where no kernel
+    applies."""
+    lib = library()
+    n, k = q.shape
+    if lib is None or k % Q_BLOCK or d.shape != (n, k // Q_BLOCK) or d.dtype != torch.float16:
         return None
+    if fmt == QFormat.Q4 and (m is None or m.shape != d.shape or m.dtype != torch.float16):
+        return None
+    vnni = q_vnni_available() if vnni is None else vnni
+    q, d = q.contiguous(), d.contiguous()
+    m = m.contiguous() if m is not None else None
+    data = torch.empty(q_packed_bytes(fmt, n, k), dtype=torch.uint8)
+    pack = lib.llmd_qv_pack if vnni else lib.llmd_q_pack
+    rc = pack(int(fmt), q.data_ptr(), d.data_ptr(), _ptr(m), n, k, data.data_ptr())
+    return QPacked(data, fmt, vnni, n, k) if rc == 0 else None
+
+
+def q_linear(x: torch.Tensor, packed: QPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x[..., K] float32 @ w[N, K]^T + bias (float32) -> [..., N] float32, w as q_pack made it; None if the kernel
+    does not apply."""
+    lib = library()
+    n, k = packed.out_features, packed.in_features
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        return None
+    kernel = lib.llmd_qv_linear if packed.vnni else lib.llmd_q_linear
     return _linear_rows(
         x,
         n,
-        lambda rows, out: lib.llmd_int8_linear(
+        lambda rows, out: kernel(
+            int(packed.fmt),
             rows.data_ptr(),
             rows.stride(0),
-            packed.data_ptr(),
-            scale.data_ptr(),
+            packed.data.data_ptr(),
             _ptr(bias),
             out.data_ptr(),
             rows.shape[0],

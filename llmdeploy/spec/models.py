@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from llmdeploy.policies.capability import Feature
 from llmdeploy.spec.addresses import is_loopback, split_listen
@@ -33,10 +33,12 @@ class ModelSpec(Section):
         "measured faster at start, else float32 (bfloat16 changes greedy output)",
     )
     max_model_len: int = Field(2048, ge=16, description="longest prompt + completion in tokens")
-    quantization: Literal["none", "int8"] = Field(
+    quantization: Literal["none", "int8", "gguf"] = Field(
         "none",
-        description="int8: weight-only int8 with per-channel scales on CPU (a quarter of float32's weight bytes "
-        "for bandwidth-bound decode; greedy output may differ from float32)",
+        description="weight-only, CPU (greedy output may differ from float32). int8: the weights quantized to "
+        "int8 blocks at load (GGUF's Q8_0 layout; a quarter of float32's bytes for bandwidth-bound decode); gguf: "
+        "a .gguf model's own Q8_0/Q4_0/Q4_1 weights served as stored, without a float copy (other types "
+        "dequantized)",
     )
 
     @field_validator("path")
@@ -44,6 +46,16 @@ class ModelSpec(Section):
     def _path_non_empty(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must not be empty")
+        return v
+
+    @field_validator("quantization")
+    @classmethod
+    def _gguf_needs_gguf_file(cls, v: str, info: ValidationInfo) -> str:
+        path = str(info.data.get("path", ""))
+        if v == "gguf" and not (path.lower().endswith(".gguf") or path.startswith("builtin:")):
+            raise ValueError(
+                "'gguf' serves a .gguf file's own quantized weights: model.path must be a .gguf file"
+            )
         return v
 
     @field_validator("served_alias")

@@ -1,6 +1,7 @@
-"""model.quantization: int8 — per-channel int8 weights on CPU: the layer against its dequantized float32 form (the
-native kernel's small-row path and the large-row path), the model's logits against float32, the engine serving
-with it, and the clear errors for what it does not cover."""
+"""model.quantization: int8 (the loaded weights as Q8 blocks) and gguf (a GGUF file's own Q8_0 / Q4_0 / Q4_1
+blocks) on CPU: the quantizer's round trip, the layer against its dequantized float32 form, the GGUF blocks equal
+to what transformers' dequantizing loader reads (rows un-permuted, q|k|v and gate|up fused), the model's logits
+against float32, the engine serving both, and the clear errors for what they do not cover."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pydantic import ValidationError
 
 from llmdeploy.engine import LLM, SamplingParams
 from llmdeploy.engine.loader import load_model
-from llmdeploy.engine.models.layers import INT8_KERNEL_MAX_ROWS, Int8Linear, quantize_int8
+from llmdeploy.engine.models.quant import QuantLinear, quantize_q8
+from llmdeploy.kernels.cpu_native import QFormat
 from llmdeploy.spec.models import ModelSpec
 from tests.engine.paged_driver import PagedDriver
+from tests.engine.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,22 +26,25 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_quantize_int8_round_trip():
+def test_quantize_q8_round_trip():
     w = torch.randn(37, 64) * torch.linspace(0.01, 3, 37)[:, None]  # channels of very different ranges
-    q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127 and scale.shape == (37,)
-    err = (q.float() * scale[:, None] - w).abs()
-    assert bool((err <= scale[:, None] / 2 + 1e-7).all())  # within half a step of each channel
+    blocks = quantize_q8(w)
+    assert blocks.fmt == QFormat.Q8 and blocks.q.dtype == torch.int8 and int(blocks.q.abs().max()) <= 127
+    assert blocks.d.shape == (37, 2) and blocks.d.dtype == torch.float16
+    step = blocks.d.float().repeat_interleave(32, dim=1)
+    assert bool(((blocks.dequantize() - w).abs() <= step / 2 + 1e-7).all())  # within half a step of its block
+    assert bool((blocks.q.abs().amax(dim=1) >= 126).all())  # each block's scale uses the int8 range
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 200])
-def test_int8_linear_equals_its_dequantized_weights(rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, 200])
+def test_quant_linear_equals_its_dequantized_weights(rows):
     g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
-    layer = Int8Linear(w, b)
-    x = torch.randn(rows, 32, generator=g)
+    w, b = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    layer = QuantLinear(quantize_q8(w), b)
+    x = torch.randn(rows, 64, generator=g)
     ref = torch.nn.functional.linear(x.double(), layer.weight.double(), b.double())
-    torch.testing.assert_close(layer(x).double(), ref, atol=1e-4, rtol=1e-5)
+    # the VNNI kernel rounds x to int8 per block (tests/kernels/test_quant_kernels.py has its exact definition)
+    assert float((layer(x).double() - ref).norm() / ref.norm()) < 0.02
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -49,8 +55,8 @@ def test_int8_model_logits_stay_close_to_float32(tiny_model):
         load_model(str(folder), dtype="float32", quantization="int8"),
     )
     assert q8.quantization == "int8"
-    assert isinstance(q8.model.model.layers[0].self_attn.qkv_proj, Int8Linear)
-    assert isinstance(q8.model.lm_head, Int8Linear)  # the tied or untied head: int8 as well
+    assert isinstance(q8.model.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(q8.model.lm_head, QuantLinear)  # the tied or untied head: int8 as well
     ids = list(range(5, 45))
     out = []
     with torch.inference_mode():
@@ -88,3 +94,60 @@ def test_what_int8_does_not_cover_is_refused(tiny_model):
     with pytest.raises(ValidationError):
         ModelSpec(quantization="int4")
     assert ModelSpec(quantization="int8").quantization == "int8"
+
+
+# a GGUF file as llama.cpp's quantizer writes one: most projections Q4_1, the attention output Q4_0, the embedding
+# (also the tied head) Q8_0, one layer's down projection left float32 (served from the dequantized checkpoint)
+MIXED = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0", "ffn_gate": "Q4_1"}
+MIXED |= {"ffn_up": "Q4_1", "blk.0.ffn_down.weight": "Q8_0", "token_embd": "Q8_0", "output": "Q8_0"}
+
+
+@pytest.fixture
+def quantized_gguf(tmp_path, monkeypatch, tiny_model):
+    monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    return write_tiny_gguf(tiny_model("llama"), tmp_path / "q.gguf", quant=MIXED)
+
+
+def test_gguf_blocks_are_what_the_dequantizing_loader_reads(quantized_gguf):
+    dense = load_model(str(quantized_gguf), dtype="float32")
+    kept = load_model(str(quantized_gguf), dtype="float32", quantization="gguf")
+    assert kept.quantization == "gguf"
+    layer0, layer1 = kept.model.model.layers[0], kept.model.model.layers[1]
+    assert layer0.self_attn.qkv_proj.fmt == QFormat.Q4 and layer0.self_attn.o_proj.fmt == QFormat.Q4
+    assert layer0.mlp.down_proj.fmt == QFormat.Q8
+    assert not isinstance(layer1.mlp.down_proj, QuantLinear)  # float32 in the file: dense, as before
+    assert kept.model.lm_head.fmt == QFormat.Q8
+    dense_modules = dict(dense.model.named_modules())
+    checked = 0
+    for name, module in kept.model.named_modules():
+        if isinstance(module, QuantLinear):  # bit for bit: the un-permuted, fused blocks
+            torch.testing.assert_close(module.weight, dense_modules[name].weight, atol=0, rtol=0)
+            checked += 1
+    assert checked == 2 * 4 - 1 + 1  # qkv, o, gate_up in both layers, one down, the head
+    ids = list(range(5, 45))
+    with torch.inference_mode():
+        logits = []
+        for lm in (dense, kept):
+            driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=1, max_len=64)
+            hidden, _ = driver.forward([(driver.new_seq(ids), len(ids))], [])
+            logits.append(lm.model.compute_logits(hidden))
+    diff, scale = float((logits[0] - logits[1]).abs().max()), float(logits[0].abs().max())
+    assert diff < 0.1 * scale, (diff, scale)  # only x's int8 rounding (VNNI) or summation order differ
+
+
+def test_engine_serves_gguf_blocks(quantized_gguf):
+    llm = LLM(model=str(quantized_gguf), quantization="gguf", max_model_len=128, kv_cache_gb=0.01)
+    outs = llm.generate(
+        [[5, 6, 7], list(range(10, 50))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    assert llm.engine.runner.loaded.quantization == "gguf"
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model):
+    with pytest.raises(ValueError, match="gguf file's own quantized weights"):
+        load_model(str(tiny_model("llama")), quantization="gguf")
+    with pytest.raises(ValidationError, match="model.path must be a .gguf file"):
+        ModelSpec(path="models/llama", quantization="gguf")
+    assert ModelSpec(path="m/x.gguf", quantization="gguf").quantization == "gguf"
+    assert ModelSpec(path="builtin:smollm2-135m-instruct", quantization="gguf").quantization == "gguf"

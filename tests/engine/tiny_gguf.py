@@ -1,6 +1,7 @@
 """Write a tiny random Llama (an HF folder from tests/helpers/tiny_models.py) as a float32 GGUF file the way
 llama.cpp's converter does (q/k rows permuted, gpt2-style BPE vocabulary, chat template), so the GGUF path and
-its conversion cache are tested without the 20 s of the real SmolLM2 file."""
+its conversion cache are tested without the 20 s of the real SmolLM2 file; optionally with block-quantized
+tensors (model.quantization: gguf)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,13 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[rest]}"
 
 
-def write_tiny_gguf(folder: Path, out: Path, name: str = "tiny llama") -> Path:
-    from gguf import GGUFWriter
+def write_tiny_gguf(
+    folder: Path, out: Path, name: str = "tiny llama", quant: dict[str, str] | None = None
+) -> Path:
+    """quant: GGUF tensor name or its kind (attn_q, ffn_up, token_embd, ...) -> a block type (Q8_0, Q4_0, Q4_1)
+    the tensor is stored in, quantized by gguf-py as llama.cpp's quantizer does; others stay float32."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
 
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
@@ -80,7 +86,12 @@ def write_tiny_gguf(folder: Path, out: Path, name: str = "tiny llama") -> Path:
             t = permute(t, heads)
         elif hf.endswith("k_proj.weight"):
             t = permute(t, kv_heads)
-        w.add_tensor(gguf_name(hf), t)
+        kind = (quant or {}).get(gguf_name(hf)) or (quant or {}).get(gguf_name(hf).split(".")[-2])
+        if kind is None:
+            w.add_tensor(gguf_name(hf), t)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            w.add_tensor(gguf_name(hf), quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

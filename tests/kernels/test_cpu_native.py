@@ -1,6 +1,6 @@
 """The compiled CPU kernels (kernels/cpu_native.py) against the torch definitions: decode attention reading K/V in
 place from the paged cache (ragged and long contexts split across threads, GQA groups past one register walk,
-head dims, block sizes, bf16 caches, strided queries), the int8 weight-only linear, the portable (non-AVX2) build,
+head dims, block sizes, bf16 caches, strided queries), the native linears, the portable (non-AVX2) build,
 and the fallback when nothing builds."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import platform
 import pytest
 import torch
 
+from llmdeploy.engine.models.quant import quantize_q8
 from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels import reference as ops
 
@@ -89,30 +90,6 @@ def test_decode_declines_what_it_does_not_cover():
     # the op itself still answers, through the gather path
     out = ops.paged_attention_decode(torch.randn(1, 4, 16, dtype=torch.float16), k, v, bt, cl, 0.25)
     assert out.shape == (1, 4, 16)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 33])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_matches_dequantized(rows, bias):
-    g = torch.Generator().manual_seed(rows)
-    n, k = 37, 48  # channel tails of every tile width
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(n, generator=g) / 100
-    b = torch.randn(n, generator=g) if bias else None
-    x = torch.randn(rows, k, generator=g)
-    packed = cpu_native.int8_pack(w)
-    assert packed.numel() == 40 * k  # channels padded to whole tiles of 8
-    out = cpu_native.int8_linear(x, packed, scale, b)
-    ref = torch.nn.functional.linear(
-        x.double(), w.double() * scale.double()[:, None], b.double() if bias else None
-    )
-    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
-    x3 = torch.randn(2, 3, 2 * k, generator=g)[..., :k]  # leading dims and a row stride
-    out3 = cpu_native.int8_linear(x3, packed, scale, b)
-    assert out3.shape == (2, 3, n)
-    torch.testing.assert_close(
-        out3.reshape(6, n), cpu_native.int8_linear(x3.reshape(6, k).contiguous(), packed, scale, b)
-    )
 
 
 needs_avx512 = pytest.mark.skipif(
@@ -212,22 +189,16 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     """The plain-C lanes (no AVX2 intrinsics), built here with a baseline x86-64 target, give the same results."""
     torch.manual_seed(0)
     k, v, bt, cl = paged([33, 300], 3, 64, 16)
-    q, w, s, x = (
-        torch.randn(2, 9, 64),
-        torch.randint(-127, 128, (9, 16), dtype=torch.int8),
-        torch.rand(9),
-        torch.randn(3, 16),
-    )
+    q, w, x = torch.randn(2, 9, 64), quantize_q8(torch.randn(9, 64)), torch.randn(3, 64)
     ref = cpu_native.decode_attention(q, k, v, bt, cl, 0.125)
     flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
     lib = cpu_native.load(cpu_native.build(flags, tmp_path))
     assert lib.llmd_has_avx2() == 0 and lib.llmd_has_avx512() == 0
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
-    lin = cpu_native.int8_linear(x, cpu_native.int8_pack(w), s, None)
-    torch.testing.assert_close(
-        lin, torch.nn.functional.linear(x, w.float() * s[:, None]), atol=1e-4, rtol=1e-4
-    )  # outputs up to ~100 (weights up to 127): float32 summation order alone moves them by ~1e-5
+    assert not cpu_native.q_vnni_available()  # the block-quantized linear: its float32 kernel
+    lin = cpu_native.q_linear(x, cpu_native.q_pack(w.fmt, w.q, w.d, None), None)
+    torch.testing.assert_close(lin, torch.nn.functional.linear(x, w.dequantize()), atol=1e-5, rtol=1e-5)
     # no AVX-512: the float32 layers keep oneDNN's packed GEMM
     from llmdeploy.engine.models.layers import PackedLinear
 
@@ -236,7 +207,7 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
         not cpu_native.bf16_linear_available() and cpu_native.bf16_pack(torch.ones(4, 4).bfloat16()) is None
     )
     if torch.backends.mkldnn.is_available():
-        layer = torch.nn.Linear(16, 9)
+        layer = torch.nn.Linear(64, 9)
         packed = PackedLinear(layer.weight, layer.bias)
         assert packed.native is None
         torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)

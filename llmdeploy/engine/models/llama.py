@@ -15,9 +15,9 @@ from llmdeploy.engine.models.layers import (
     MergedLinear,
     RMSNorm,
     pack_linears,
-    quantize_linears,
     silu_and_mul,
 )
+from llmdeploy.engine.models.quant import BlockWeights, QuantLinear, concat_rows, quantize_linears
 from llmdeploy.engine.parallel.group import all_reduce
 from llmdeploy.engine.parallel.shard import Shard, Split
 from llmdeploy.engine.rope import build_cos_sin_cache
@@ -230,8 +230,34 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self)
 
     def quantize_int8(self) -> None:
-        """After loading (model.quantization: int8): every projection, the head too, as per-channel int8."""
+        """After loading (model.quantization: int8): every projection, the head too, as Q8 blocks."""
         quantize_linears(self)
+
+    def use_block_weights(self, blocks: dict[str, BlockWeights]) -> list[str]:
+        """After loading (model.quantization: gguf): each projection whose checkpoint tensors all came as blocks
+        (by Hugging Face name) becomes a QuantLinear of them; returns the modules replaced."""
+        replaced = []
+        for name, module in list(self.named_modules()):
+            if not isinstance(module, nn.Linear):
+                continue
+            parts = [blocks.get(n) for n in self._checkpoint_names(name, module)]
+            fused = concat_rows(parts) if all(parts) else None
+            if fused is None or fused.out_features != module.out_features:
+                continue
+            parent, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, attr, QuantLinear(fused, module.bias))
+            replaced.append(name)
+        return replaced
+
+    def _checkpoint_names(self, name: str, module: nn.Linear) -> list[str]:
+        """The checkpoint weights a projection was loaded from, in row order (a tied head: the embedding)."""
+        if name == "lm_head" and self.tie_word_embeddings:
+            return ["model.embed_tokens.weight"]
+        if not isinstance(module, MergedLinear):
+            return [f"{name}.weight"]
+        prefix, _, fused = name.rpartition(".")
+        by_shard = {shard: proj for proj, (f, shard) in STACKED.items() if f == fused}
+        return [f"{prefix}.{by_shard[shard]}.weight" for shard in module.shard_offsets]
 
     def finish_loading(self, device: torch.device) -> None:
         """After the weights are in place; re-ties because materialising a meta module unties shared weights."""

@@ -6,8 +6,8 @@
  * gather): per (sequence, kv head, context split) scores -> softmax -> P.V, the kv head's query heads (GQA) sharing
  * every K/V row. Splits of one long context are merged flash-decoding style (max, sum, rescaled partial outputs).
  *
- * int8_linear: y = x @ (w_int8 * scale[:, None])^T + bias, per-output-channel scales; the weight is read once per
- * call and widened in registers (bandwidth-bound decode reads 1 byte per weight instead of 4).
+ * q_linear: y = x @ w^T + bias with w in GGUF's block-quantized formats (Q8_0, Q4_0/Q4_1), read once per call
+ * and widened in registers (bandwidth-bound decode reads 5-8.5 bits per weight instead of 32).
  *
  * Lanes are 8 floats: AVX2+FMA intrinsics where the compiler targets them, plain loops otherwise (same results up
  * to summation order).
@@ -389,92 +389,360 @@ int llmd_paged_decode_attention(const float *q, int64_t q_row_stride, const void
     return failed ? -1 : 0;
 }
 
-/* ---------------------------------------------------------------- int8 weight-only linear */
+/* ---------------------------------------------------------------- block-quantized linear (Q8, Q4) */
 
-/* Weights are packed at load time (llmd_int8_pack) in tiles of 8 output channels: tile t, k-step s (8 inputs)
- * is 64 contiguous bytes, channel c's 8 weights at c * 8. A tile is then one sequential stream (one hardware
- * prefetch stream instead of 8 rows), and one 64-byte line feeds 8 channels. N is padded to a multiple of 8. */
-int llmd_int8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
-    if (K % 8) return -1;
-    const int64_t tiles = (N + 7) / 8;
+/* Weight-only quantized projections in GGUF's block formats: each output channel's inputs in blocks of QB = 32,
+ * one float16 scale d per block (Q8: w = d * q, q int8) or a scale and a minimum (Q4: w = d * q + m, q in 0..15;
+ * GGUF's Q4_0 is m = -8 d). The weights are packed at load (llmd_q_pack) in tiles of Q_NR = 32 channels; per tile
+ * and block: the 32 channels' d (64 bytes), for Q4 their m (64 bytes), then per input the 32 channels' q (32
+ * bytes, or 16 for Q4: byte j = channel j's q | channel j + 16's q << 4). A tile is one sequential stream of the
+ * file's own bytes (Q4_1: 5 bits a weight), widened and scaled in registers: w is exactly the float32 value a
+ * dequantizing loader computes (d * q is exact in float32; Q4 adds m in one rounding), so only the summation
+ * order differs from x @ dequantized(w)^T. */
+#define QB 32
+#define Q_NR 32
+#define Q_MR 6
+enum { Q_FMT_Q8 = 0, Q_FMT_Q4 = 1 };
+
+static inline int64_t q_block_bytes(int fmt) { return fmt == Q_FMT_Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
+
+/* q [N, K] (int8 for Q8; 0..15 for Q4), d and m [N, K / QB] float16 bits (m unused for Q8) -> packed (size:
+ * ceil(N / Q_NR) * (K / QB) * q_block_bytes(fmt)); channels past N are zeros */
+int llmd_q_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                uint8_t *packed) {
+    if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, bb = q_block_bytes(fmt);
+    memset(packed, 0, (size_t)(tiles * blocks * bb));
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t s = 0; s < K / 8; s++)
-            for (int64_t c = 0; c < 8; c++) {
-                int8_t *dst = packed + ((t * (K / 8) + s) * 8 + c) * 8;
-                const int64_t n = t * 8 + c;
-                if (n < N) memcpy(dst, w + n * K + s * 8, 8);
-                else memset(dst, 0, 8);
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *hdr = packed + (t * blocks + b) * bb;
+            uint8_t *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
+            for (int64_t c = 0; c < Q_NR; c++) {
+                const int64_t n = t * Q_NR + c;
+                if (n >= N) break;
+                memcpy(hdr + 2 * c, d + n * blocks + b, 2);
+                if (fmt == Q_FMT_Q4) memcpy(hdr + 64 + 2 * c, m + n * blocks + b, 2);
+                for (int64_t kk = 0; kk < QB; kk++) {
+                    const uint8_t v = q[n * K + b * QB + kk];
+                    if (fmt == Q_FMT_Q8) qs[kk * 32 + c] = v;
+                    else qs[kk * 16 + (c & 15)] |= (uint8_t)((v & 15) << (c < 16 ? 0 : 4));
+                }
             }
+        }
     return 0;
 }
 
-/* MT rows of x against channels [c0, c0 + NT) of one packed tile (c0 + NT <= 8); out[i][c] = dot products.
- * MT, NT are constants where it is inlined: MT * NT accumulators stay in registers. */
-static inline __attribute__((always_inline)) void int8_tile(const float *x, int64_t xs, const int8_t *tile,
-                                                           int64_t K, int c0, const int MT, const int NT,
-                                                           v8 acc[4][8]) {
-    for (int i = 0; i < MT; i++)
-        for (int c = 0; c < NT; c++) acc[i][c] = v8_zero();
-    for (int64_t s = 0; s < K / 8; s++) {
-        const int8_t *chunk = tile + s * 64 + c0 * 8;
-        if (s + 8 < K / 8) __builtin_prefetch(tile + (s + 8) * 64, 0, 3);
-        v8 xv[4];
-        for (int i = 0; i < MT; i++) xv[i] = v8_load(x + i * xs + s * 8);
-        for (int c = 0; c < NT; c++) {
-            const v8 wv = v8_load_i8(chunk + c * 8);
-            for (int i = 0; i < MT; i++) acc[i][c] = v8_fma(xv[i], wv, acc[i][c]);
+/* 16 float lanes: one AVX-512 register, else two v8 */
+#if defined(__AVX512F__)
+typedef __m512 v16;
+static inline v16 v16_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v16_set1(float x) { return _mm512_set1_ps(x); }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline void v16_store(float *p, v16 x) { _mm512_storeu_ps(p, x); }
+static inline v16 v16_half(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline v16 v16_i8(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 16 bytes -> their low nibbles (lo) and high nibbles (hi) as floats */
+static inline void v16_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#else
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float f;
+    if (exp == 0) f = ldexpf((float)man, -24); /* zero or subnormal */
+    else if (exp == 31) {
+        const uint32_t u = 0x7f800000u | (man << 13);
+        memcpy(&f, &u, 4);
+    } else f = ldexpf((float)(man | 0x400), (int)exp - 25);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+typedef struct {
+    v8 lo, hi;
+} v16;
+static inline v16 v16_zero(void) { return (v16){v8_zero(), v8_zero()}; }
+static inline v16 v16_set1(float x) { return (v16){v8_set1(x), v8_set1(x)}; }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return (v16){v8_fma(a.lo, b.lo, c.lo), v8_fma(a.hi, b.hi, c.hi)}; }
+static inline v16 v16_mul(v16 a, v16 b) { return (v16){v8_mul(a.lo, b.lo), v8_mul(a.hi, b.hi)}; }
+static inline void v16_store(float *p, v16 x) { v8_store(p, x.lo); v8_store(p + 8, x.hi); }
+static inline v16 v16_half(const uint8_t *p) {
+    float f[16];
+    for (int i = 0; i < 16; i++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        f[i] = half_to_float(h);
+    }
+    return (v16){v8_load(f), v8_load(f + 8)};
+}
+static inline v16 v16_i8(const uint8_t *p) {
+    return (v16){v8_load_i8((const int8_t *)p), v8_load_i8((const int8_t *)p + 8)};
+}
+static inline void v16_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    float l[16], h[16];
+    for (int i = 0; i < 16; i++) l[i] = (float)(p[i] & 15), h[i] = (float)(p[i] >> 4);
+    *lo = (v16){v8_load(l), v8_load(l + 8)};
+    *hi = (v16){v8_load(h), v8_load(h + 8)};
+}
+#endif
+
+/* rows [0, MR) of x against one packed tile: y[i * ys + c] = x_i . w_c (+ bias) for the tile's `real` channels.
+ * Per block, sums of x * q (the quants widened to float32) are scaled once: sum_k x_k (d q_k + m) = d sum_k x_k q_k
+ * + m sum_k x_k, with the block sums of x (xsum, Q4 only) computed once per call. MR and fmt are constants where
+ * it is inlined. */
+static inline __attribute__((always_inline)) void q_block(const float *x, int64_t xs, const float *xsum,
+                                                         const uint8_t *tile, int64_t K, const float *bias, float *y,
+                                                         int64_t ys, int real, const int MR, const int fmt) {
+    v16 a0[Q_MR], a1[Q_MR], s0[Q_MR], s1[Q_MR];
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = v16_zero();
+    const int64_t bb = q_block_bytes(fmt), blocks = K / QB;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
+        const float *xb = x + b * QB;
+        for (int i = 0; i < MR; i++) s0[i] = s1[i] = v16_zero();
+        for (int kk = 0; kk < QB; kk++) {
+            if (kk * 64 < bb) __builtin_prefetch(hdr + 4 * bb + kk * 64, 0, 3);
+            v16 q0, q1;
+            if (fmt == Q_FMT_Q4) v16_u4(qs + kk * 16, &q0, &q1);
+            else q0 = v16_i8(qs + kk * 32), q1 = v16_i8(qs + kk * 32 + 16);
+            for (int i = 0; i < MR; i++) {
+                const v16 xv = v16_set1(xb[i * xs + kk]);
+                s0[i] = v16_fma(xv, q0, s0[i]);
+                s1[i] = v16_fma(xv, q1, s1[i]);
+            }
         }
+        const v16 d0 = v16_half(hdr), d1 = v16_half(hdr + 32);
+        for (int i = 0; i < MR; i++) a0[i] = v16_fma(s0[i], d0, a0[i]), a1[i] = v16_fma(s1[i], d1, a1[i]);
+        if (fmt == Q_FMT_Q4) {
+            const v16 m0 = v16_half(hdr + 64), m1 = v16_half(hdr + 96);
+            for (int i = 0; i < MR; i++) {
+                const v16 sx = v16_set1(xsum[i * blocks + b]);
+                a0[i] = v16_fma(sx, m0, a0[i]), a1[i] = v16_fma(sx, m1, a1[i]);
+            }
+        }
+    }
+    float tmp[Q_NR];
+    for (int i = 0; i < MR; i++) {
+        v16_store(tmp, a0[i]);
+        v16_store(tmp + 16, a1[i]);
+        for (int c = 0; c < real; c++) y[i * ys + c] = tmp[c] + (bias ? bias[c] : 0.0f);
     }
 }
 
-/* rows [0, mt) of x (mt <= 4) against one packed tile: y[i * N + t * 8 + c] for the tile's real channels */
-static void int8_rows(const float *x, int64_t xs, const int8_t *tile, const float *scale, const float *bias,
-                      float *y, int64_t N, int64_t K, int64_t t, int64_t mt) {
-    v8 acc[4][8];
-    float sums[4][8];
-    switch (mt) { /* 8 channels in 1, 2 or 4 passes: at most 12 accumulators; later passes read the tile from L1 */
-    case 1: int8_tile(x, xs, tile, K, 0, 1, 8, acc); v8_store(sums[0], v8_hsum8(acc[0])); break;
-    case 2:
-        for (int c0 = 0; c0 < 8; c0 += 4) {
-            int8_tile(x, xs, tile, K, c0, 2, 4, acc);
-            for (int i = 0; i < 2; i++)
-                for (int c = 0; c < 4; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
-        }
+#define Q_CASE(R)                                                                                            \
+    case R:                                                                                                  \
+        if (fmt == Q_FMT_Q4) q_block(x, xs, xsum, tile, K, bias, y, ys, real, R, Q_FMT_Q4);                  \
+        else q_block(x, xs, xsum, tile, K, bias, y, ys, real, R, Q_FMT_Q8);                                  \
         break;
-    case 3:
-        for (int c0 = 0; c0 < 8; c0 += 4) {
-            int8_tile(x, xs, tile, K, c0, 3, 4, acc);
-            for (int i = 0; i < 3; i++)
-                for (int c = 0; c < 4; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
-        }
-        break;
-    default:
-        for (int c0 = 0; c0 < 8; c0 += 2) {
-            int8_tile(x, xs, tile, K, c0, 4, 2, acc);
-            for (int i = 0; i < 4; i++)
-                for (int c = 0; c < 2; c++) sums[i][c0 + c] = v8_hsum(acc[i][c]);
-        }
+static void q_rows(int fmt, const float *x, int64_t xs, const float *xsum, const uint8_t *tile, int64_t K,
+                   const float *bias, float *y, int64_t ys, int real, int64_t mr) {
+    switch (mr) {
+    Q_CASE(1) Q_CASE(2) Q_CASE(3) Q_CASE(4) Q_CASE(5)
+    default: Q_CASE(Q_MR)
     }
-    const int64_t n0 = t * 8, real = N - n0 < 8 ? N - n0 : 8;
-    for (int64_t i = 0; i < mt; i++)
-        for (int64_t c = 0; c < real; c++)
-            y[i * N + n0 + c] = sums[i][c] * scale[n0 + c] + (bias ? bias[n0 + c] : 0.0f);
 }
 
-/* y[M, N] (contiguous) = x[M, K] @ (w[N, K] * scale[N])^T (+ bias[N]); w packed by llmd_int8_pack, x float32 with
- * row stride x_stride, K % 8 == 0. Threads split the channel tiles; a tile meets every row of x (4 at a time)
- * while it is in L1, so the weights are read from memory once per call. */
-int llmd_int8_linear(const float *x, int64_t x_stride, const int8_t *packed, const float *scale,
-                     const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    if (K % 8 || nthreads < 1 || M < 1) return -1;
-    const int64_t tiles = (N + 7) / 8;
+/* y[M, N] (contiguous) = x[M, K] float32 (row stride x_stride) @ w[N, K]^T (+ bias[N]), w packed by llmd_q_pack.
+ * Threads split the channel tiles; a tile meets every row block while it is in L1, so the weights are read from
+ * memory once per call. */
+int llmd_q_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                  int64_t M, int64_t N, int64_t K, int nthreads) {
+    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, tile_bytes = blocks * q_block_bytes(fmt);
+    float *xsum = NULL;
+    if (fmt == Q_FMT_Q4) {
+        xsum = malloc(sizeof(float) * (size_t)(M * blocks));
+        if (!xsum) return -3;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < blocks; b++) {
+                float s = 0.0f;
+                for (int64_t kk = 0; kk < QB; kk++) s += x[i * x_stride + b * QB + kk];
+                xsum[i * blocks + b] = s;
+            }
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *tile = packed + t * 8 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4)
-            int8_rows(x + m0 * x_stride, x_stride, tile, scale, bias, y + m0 * N, N, K, t, M - m0 < 4 ? M - m0 : 4);
+        const uint8_t *tile = packed + t * tile_bytes;
+        const int real = N - t * Q_NR < Q_NR ? (int)(N - t * Q_NR) : Q_NR;
+        for (int64_t m = 0; m < M; m += Q_MR)
+            q_rows(fmt, x + m * x_stride, x_stride, xsum ? xsum + m * blocks : NULL, tile, K,
+                   bias ? bias + t * Q_NR : NULL, y + m * N + t * Q_NR, N, real, M - m < Q_MR ? M - m : Q_MR);
     }
+    free(xsum);
     return 0;
+}
+
+/* The same formats with AVX-512 VNNI (vpdpbusd: 4 u8 x s8 products into each int32 lane), as llama.cpp computes
+ * them: each row of x is quantized per block to int8 (dx = amax / 127, xq = round(x / dx)) once per call, the
+ * block's dot products are exact integer sums, scaled once: d dx sum q xq (+ m dx sum xq for Q4). A fifth of the
+ * float kernel's instructions per weight, so one row streams at memory speed and 8-32 rows stay near it; the cost
+ * is x's int8 rounding (relative error <= 1/254 of a block's largest input), as with llama.cpp.
+ *
+ * Layout per tile and block: d (64 bytes), Q4: m (64 bytes), then per group of 4 inputs g: Q8: 2 x 64 bytes,
+ * lane c of the first = channel c's 4 quants + 128 (as u8), of the second channel c + 16; Q4: 64 bytes, byte
+ * 4 c + j = channel c's quant of input 4 g + j | channel c + 16's << 4. Same sizes as the float kernel's layout. */
+int llmd_has_avx512_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int llmd_qv_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                 uint8_t *packed) {
+    if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, bb = q_block_bytes(fmt);
+    memset(packed, 0, (size_t)(tiles * blocks * bb));
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *hdr = packed + (t * blocks + b) * bb;
+            uint8_t *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
+            for (int64_t c = 0; c < Q_NR; c++) {
+                const int64_t n = t * Q_NR + c;
+                if (n >= N) break; /* d = 0: whatever the quants, zero */
+                memcpy(hdr + 2 * c, d + n * blocks + b, 2);
+                if (fmt == Q_FMT_Q4) memcpy(hdr + 64 + 2 * c, m + n * blocks + b, 2);
+                for (int64_t kk = 0; kk < QB; kk++) {
+                    const uint8_t v = q[n * K + b * QB + kk];
+                    if (fmt == Q_FMT_Q8)
+                        qs[(kk / 4) * 128 + (c / 16) * 64 + (c % 16) * 4 + kk % 4] = (uint8_t)((int)(int8_t)v + 128);
+                    else qs[(kk / 4) * 64 + (c % 16) * 4 + kk % 4] |= (uint8_t)((v & 15) << (c < 16 ? 0 : 4));
+                }
+            }
+        }
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* x row -> per block: int8 quants (xq), scale dx, sum of quants */
+static void qv_quantize_row(const float *x, int64_t blocks, int8_t *xq, float *dx, int32_t *xqsum) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QB), v1 = _mm512_loadu_ps(x + b * QB + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(xq + b * QB), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(xq + b * QB + 16), _mm512_cvtsepi32_epi8(i1));
+        dx[b] = amax / 127.0f;
+        xqsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    }
+}
+
+#ifndef QV_PREFETCH
+#define QV_PREFETCH 8192 /* bytes ahead in a tile's stream */
+#endif
+static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int64_t K, const float *dx,
+                                                          const int32_t *xqsum, const uint8_t *tile,
+                                                          const float *bias, float *y, int64_t ys, int real,
+                                                          const int MR, const int fmt) {
+    __m512 a0[Q_MR], a1[Q_MR];
+    __m512i s0[Q_MR], s1[Q_MR];
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    const int64_t bb = q_block_bytes(fmt), blocks = K / QB;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
+        for (int64_t l = 0; l < (fmt == Q_FMT_Q4 ? 128 : 64); l += 64) __builtin_prefetch(hdr + QV_PREFETCH + l, 0, 3);
+        for (int i = 0; i < MR; i++) s0[i] = s1[i] = _mm512_setzero_si512();
+        for (int g = 0; g < QB / 4; g++) {
+            __builtin_prefetch(qs + g * (fmt == Q_FMT_Q4 ? 64 : 128) + QV_PREFETCH, 0, 3);
+            if (fmt == Q_FMT_Q8) __builtin_prefetch(qs + g * 128 + 64 + QV_PREFETCH, 0, 3);
+            __m512i lo, hi;
+            if (fmt == Q_FMT_Q4) {
+                const __m512i v = _mm512_loadu_si512(qs + g * 64);
+                lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            } else {
+                lo = _mm512_loadu_si512(qs + g * 128), hi = _mm512_loadu_si512(qs + g * 128 + 64);
+            }
+            for (int i = 0; i < MR; i++) {
+                int32_t four;
+                memcpy(&four, xq + i * K + b * QB + 4 * g, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                s0[i] = _mm512_dpbusd_epi32(s0[i], lo, xb);
+                s1[i] = _mm512_dpbusd_epi32(s1[i], hi, xb);
+            }
+        }
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)hdr));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 32)));
+        __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+        if (fmt == Q_FMT_Q4) {
+            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 96)));
+        }
+        for (int i = 0; i < MR; i++) {
+            const float sx = dx[i * blocks + b];
+            const __m512 scale = _mm512_set1_ps(sx);
+            if (fmt == Q_FMT_Q8) { /* the quants were stored + 128: take 128 * sum(xq) back */
+                const __m512i off = _mm512_set1_epi32(128 * xqsum[i * blocks + b]);
+                s0[i] = _mm512_sub_epi32(s0[i], off), s1[i] = _mm512_sub_epi32(s1[i], off);
+            }
+            a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_mul_ps(d0, scale), a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_mul_ps(d1, scale), a1[i]);
+            if (fmt == Q_FMT_Q4) {
+                const __m512 mx = _mm512_set1_ps(sx * (float)xqsum[i * blocks + b]);
+                a0[i] = _mm512_fmadd_ps(mx, m0, a0[i]), a1[i] = _mm512_fmadd_ps(mx, m1, a1[i]);
+            }
+        }
+    }
+    float tmp[Q_NR];
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(tmp, a0[i]);
+        _mm512_storeu_ps(tmp + 16, a1[i]);
+        for (int c = 0; c < real; c++) y[i * ys + c] = tmp[c] + (bias ? bias[c] : 0.0f);
+    }
+}
+
+#define QV_CASE(R)                                                                                           \
+    case R:                                                                                                  \
+        if (fmt == Q_FMT_Q4) qv_block(xq, K, dx, xqsum, tile, bias, y, ys, real, R, Q_FMT_Q4);               \
+        else qv_block(xq, K, dx, xqsum, tile, bias, y, ys, real, R, Q_FMT_Q8);                               \
+        break;
+static void qv_rows(int fmt, const int8_t *xq, int64_t K, const float *dx, const int32_t *xqsum,
+                    const uint8_t *tile, const float *bias, float *y, int64_t ys, int real, int64_t mr) {
+    switch (mr) {
+    QV_CASE(1) QV_CASE(2) QV_CASE(3) QV_CASE(4) QV_CASE(5)
+    default: QV_CASE(Q_MR)
+    }
+}
+#endif
+
+/* llmd_q_linear's contract with the weights packed by llmd_qv_pack. -2 without AVX-512 VNNI. */
+int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                   int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, tile_bytes = blocks * q_block_bytes(fmt);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * blocks));
+    int32_t *xqsum = malloc(sizeof(int32_t) * (size_t)(M * blocks));
+    if (!xq || !dx || !xqsum) {
+        free(xq), free(dx), free(xqsum);
+        return -3;
+    }
+    for (int64_t i = 0; i < M; i++) qv_quantize_row(x + i * x_stride, blocks, xq + i * K, dx + i * blocks, xqsum + i * blocks);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = packed + t * tile_bytes;
+        const int real = N - t * Q_NR < Q_NR ? (int)(N - t * Q_NR) : Q_NR;
+        for (int64_t m = 0; m < M; m += Q_MR)
+            qv_rows(fmt, xq + m * K, K, dx + m * blocks, xqsum + m * blocks, tile, bias ? bias + t * Q_NR : NULL,
+                    y + m * N + t * Q_NR, N, real, M - m < Q_MR ? M - m : Q_MR);
+    }
+    free(xq), free(dx), free(xqsum);
+    return 0;
+#else
+    (void)fmt; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
 }
 
 /* ---------------------------------------------------------------- small fused ops (float32) */

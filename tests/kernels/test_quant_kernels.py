@@ -1,0 +1,122 @@
+"""The block-quantized linear kernels (cpu_kernels.c q_linear / qv_linear) against their definitions: the float32
+kernel equals x @ dequantized(w)^T up to summation order; the VNNI kernel equals the same product with x rounded
+to int8 per block of 32 (as llama.cpp computes it), which this file computes exactly in float64. Q8 and Q4 blocks,
+channel tails, bias, leading dims and row strides, every row-block size; the layer's padding of a K that is not a
+multiple of 32; what the kernels decline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmdeploy.engine.models.quant import BlockWeights, QuantLinear, quantize_q8
+from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels.cpu_native import Q_BLOCK, QFormat
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here")
+needs_vnni = pytest.mark.skipif(
+    not cpu_native.q_vnni_available(), reason="the VNNI kernel needs AVX-512 VNNI"
+)
+ROWS = [1, 2, 5, 6, 7, 13, 40]  # 6 rows per register block: every tail size
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_blocks(fmt: QFormat, n: int, k: int, seed: int = 0) -> BlockWeights:
+    g = torch.Generator().manual_seed(seed)
+    if fmt == QFormat.Q8:
+        return quantize_q8(torch.randn(n, k, generator=g))
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // Q_BLOCK, generator=g) / 8).half()
+    m = (-torch.rand(n, k // Q_BLOCK, generator=g)).half()
+    return BlockWeights(QFormat.Q4, q, d, m, k)
+
+
+def int8_rounded_product(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
+    """x @ w^T in float64 with x rounded to int8 per block as the VNNI kernel rounds it: dx = amax / 127,
+    xq = round-half-even(x * (127 / amax)) (both in float32)."""
+    rows, k = x.shape
+    xb = x.view(rows, -1, Q_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None]).double()
+    dx = (amax / 127.0).double()
+    q = w.q.double().view(w.out_features, -1, Q_BLOCK)
+    dots = torch.einsum("rbk,nbk->rnb", xq, q)  # exact: integer sums
+    out = dots * w.d.double()[None] * dx[:, None, :]
+    if w.m is not None:
+        out = out + w.m.double()[None] * (dx * xq.sum(-1))[:, None, :]
+    return out.sum(-1)
+
+
+@pytest.mark.parametrize("fmt", list(QFormat))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_float_kernel_equals_the_dequantized_product(fmt, rows, bias):
+    n, k = 70, 96  # a channel tail in the last tile of 32, three blocks
+    w = random_blocks(fmt, n, k, seed=rows)
+    b = torch.randn(n) if bias else None
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=False)
+    assert packed is not None and packed.data.numel() == cpu_native.q_packed_bytes(fmt, n, k)
+    x = torch.randn(rows, k)
+    ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if b is None else b.double())
+    torch.testing.assert_close(cpu_native.q_linear(x, packed, b).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", list(QFormat))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_vnni_kernel_equals_the_int8_rounded_product(fmt, rows, bias):
+    n, k = 70, 96
+    w = random_blocks(fmt, n, k, seed=100 + rows)
+    b = torch.randn(n) if bias else None
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=True)
+    assert packed is not None and packed.vnni
+    x = torch.randn(rows, k)
+    x[0, :Q_BLOCK] = 0.0  # a block of zeros: no scale to divide by
+    out = cpu_native.q_linear(x, packed, b)
+    ref = int8_rounded_product(x, w) + (0.0 if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+    exact = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if b is None else b.double())
+    assert float((out.double() - exact).norm() / exact.norm()) < 0.02  # what rounding x to int8 costs
+
+
+@pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
+def test_leading_dims_and_row_strides(vnni):
+    w = random_blocks(QFormat.Q4, 40, 64, seed=3)
+    packed = cpu_native.q_pack(w.fmt, w.q, w.d, w.m, vnni=vnni)
+    x = torch.randn(2, 3, 128)[..., :64]  # rows with a stride of 128
+    out = cpu_native.q_linear(x, packed, None)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(
+        out.reshape(6, 40), cpu_native.q_linear(x.reshape(6, 64).contiguous(), packed, None)
+    )
+
+
+def test_layer_pads_k_to_whole_blocks():
+    torch.manual_seed(0)
+    w, b = torch.randn(33, 48), torch.randn(33)  # K = 48: one and a half blocks
+    layer = QuantLinear(quantize_q8(w), b)
+    assert layer.padded_in == 64 and layer.weight.shape == (33, 48)
+    x = torch.randn(5, 48)
+    ref = torch.nn.functional.linear(x.double(), layer.weight.double(), b.double())
+    rel = float((layer(x).double() - ref).norm() / ref.norm())
+    assert rel < 0.02
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_what_the_kernels_decline():
+    w = random_blocks(QFormat.Q8, 8, 64)
+    assert cpu_native.q_pack(QFormat.Q8, w.q[:, :48], w.d[:, :1], None) is None  # K not whole blocks
+    assert cpu_native.q_pack(QFormat.Q8, w.q, w.d.float(), None) is None  # scales must be float16
+    assert cpu_native.q_pack(QFormat.Q4, w.q, w.d, None) is None  # Q4 needs its minimums
+    packed = cpu_native.q_pack(QFormat.Q8, w.q, w.d, None)
+    assert cpu_native.q_linear(torch.randn(2, 64).double(), packed, None) is None  # float32 rows only
+    assert cpu_native.q_linear(torch.randn(2, 32), packed, None) is None  # another K
