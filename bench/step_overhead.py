@@ -1,6 +1,7 @@
 """Per-step CPU overhead of the engine around the forward pass at batch-32 decode (issue 13: under 5% of a step).
 
     python bench/step_overhead.py [--model builtin:smollm2-135m-instruct] [--batch 32] [--steps 60] [--dtype float32]
+                                [--quantization none]
 
 32 requests of 128 prompt tokens decode together (greedy, EOS ignored). Each timed step of LLMEngine.step() is split
 into: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: input ids, positions, slot mapping, block
@@ -109,9 +110,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--quantization", default="none", help="model.quantization: none, int8, gguf")
     args = ap.parse_args()
     print(cpu_info().line())
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(64, args.batch))
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_seqs=max(64, args.batch),
+    )
     torch.manual_seed(0)
     report(measure(llm, args.batch, args.prompt_len, args.steps), args.batch)
     print(cpu_info().line())

@@ -1,12 +1,13 @@
 """This engine against llama.cpp on the same GGUF, through each one's OpenAI-compatible server (issue 13, item 6).
 
     python bench/vs_llamacpp.py --llama-python /path/to/venv/bin/python [--clients 1,8] [--requests 8,32]
-                                [--variants auto,int8] [--json out.json]
+                                [--variants auto,int8,gguf] [--json out.json]
 
 llama.cpp comes from llama-cpp-python, installed in its own venv (never the project's): `pip install
 "llama-cpp-python[server]"` builds it from its sdist (about 6 minutes on 2 cores). Both servers get the embedded
 SmolLM2-135M-Instruct GGUF (Q4_1): llama.cpp runs its Q4_1 weights as they are; this engine dequantizes them at
-load to the dtype it serves (`auto`) or re-quantizes to int8 (`int8`). One server runs at a time (2 cores), each
+load to the dtype it serves (`auto`), re-quantizes them to int8 blocks (`int8`), or serves the file's own Q4_1 /
+Q8_0 blocks as llama.cpp does (`gguf`, model.quantization: gguf). One server runs at a time (2 cores), each
 driven by `llmdeploy bench` with workload W's shape (128-token prompts, 128 output tokens, EOS ignored), closed
 loop at each --clients level. Prints one table (and the JSON of every level with --json).
 """
@@ -144,7 +145,11 @@ def main() -> int:
     )
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--requests", default="8,32", help="requests per --clients level")
-    ap.add_argument("--variants", default="auto,int8", help="this engine's: auto (dtype auto), int8")
+    ap.add_argument(
+        "--variants",
+        default="auto,int8,gguf",
+        help="this engine's: auto (dtype auto), int8, gguf (the file's blocks)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]

@@ -69,6 +69,7 @@ SIGNATURES = {
     "llmd_q_linear": Q_LINEAR_ARGS,
     "llmd_qv_pack": Q_PACK_ARGS,
     "llmd_qv_linear": Q_LINEAR_ARGS,
+    "llmd_q_unpack": [c_int, c_int, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_add_rms_norm": NORM_ARGS,
     "llmd_add_rms_norm_bf16": NORM_ARGS,
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
@@ -288,6 +289,15 @@ def q_pack(
     pack = lib.llmd_qv_pack if vnni else lib.llmd_q_pack
     rc = pack(int(fmt), q.data_ptr(), d.data_ptr(), _ptr(m), n, k, data.data_ptr())
     return QPacked(data, fmt, vnni, n, k) if rc == 0 else None
+
+
+def q_unpack(packed: QPacked) -> torch.Tensor:
+    """The packed weight as float32 [N, K], as a dequantizing loader computes it."""
+    out = torch.empty(packed.out_features, packed.in_features)
+    fmt, n, k = int(packed.fmt), packed.out_features, packed.in_features
+    if library().llmd_q_unpack(fmt, int(packed.vnni), packed.data.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"cannot unpack a {packed.fmt.name} weight of {n} x {k}")
+    return out
 
 
 def q_linear(x: torch.Tensor, packed: QPacked, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -120,3 +120,14 @@ def test_what_the_kernels_decline():
     packed = cpu_native.q_pack(QFormat.Q8, w.q, w.d, None)
     assert cpu_native.q_linear(torch.randn(2, 64).double(), packed, None) is None  # float32 rows only
     assert cpu_native.q_linear(torch.randn(2, 32), packed, None) is None  # another K
+
+
+@pytest.mark.parametrize("fmt", list(QFormat))
+@pytest.mark.parametrize("vnni", [False, True])
+def test_unpack_gives_the_dequantized_weight_back(fmt, vnni):
+    w = random_blocks(fmt, 70, 96, seed=7)
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=vnni)  # either layout packs on any CPU
+    torch.testing.assert_close(cpu_native.q_unpack(packed), w.dequantize(), atol=0, rtol=0)
+    layer = QuantLinear(w, None)
+    assert layer.blocks is None  # packed: the layer keeps no second copy
+    torch.testing.assert_close(layer.weight, w.dequantize(), atol=0, rtol=0)

@@ -78,15 +78,13 @@ class QuantLinear(nn.Module):
 
     def __init__(self, blocks: BlockWeights, bias: torch.Tensor | None):
         super().__init__()
-        self.blocks = blocks
+        self.fmt = blocks.fmt
         self.out_features, self.in_features = blocks.out_features, blocks.in_features
         self.padded_in = blocks.q.shape[1]
         self.packed = cpu_native.q_pack(blocks.fmt, blocks.q, blocks.d, blocks.m)  # None without the kernel
+        # once packed, the blocks' own tensors go: the packed bytes are the only copy of the weight
+        self.blocks = blocks if self.packed is None else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
-
-    @property
-    def fmt(self) -> QFormat:
-        return self.blocks.fmt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x if x.dtype == torch.float32 else x.float()
@@ -105,10 +103,11 @@ class QuantLinear(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @property
-    def weight(
-        self,
-    ) -> torch.Tensor:  # dequantized float32: the path without the native kernel, and inspection
-        return self.blocks.dequantize()
+    def weight(self) -> torch.Tensor:
+        """Dequantized float32 [N, K]: the path without the native kernel, and inspection."""
+        if self.blocks is not None:
+            return self.blocks.dequantize()
+        return cpu_native.q_unpack(self.packed)[:, : self.in_features]
 
 
 def quantize_linears(model: nn.Module) -> None:

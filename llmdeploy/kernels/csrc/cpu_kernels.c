@@ -432,6 +432,50 @@ int llmd_q_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m,
     return 0;
 }
 
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float f;
+    if (exp == 0) f = ldexpf((float)man, -24); /* zero or subnormal */
+    else if (exp == 31) {
+        const uint32_t u = 0x7f800000u | (man << 13);
+        memcpy(&f, &u, 4);
+    } else f = ldexpf((float)(man | 0x400), (int)exp - 25);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* out [N, K] float32 = the weights packed by llmd_q_pack (vnni = 0) or llmd_qv_pack (vnni = 1), as a dequantizing
+ * loader computes them (d * q is exact in float32, then + m) */
+int llmd_q_unpack(int fmt, int vnni, const uint8_t *packed, int64_t N, int64_t K, float *out) {
+    if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, bb = q_block_bytes(fmt);
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *hdr = packed + (t * blocks + b) * bb, *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
+            for (int64_t c = 0; c < Q_NR && t * Q_NR + c < N; c++) {
+                uint16_t dh, mh = 0;
+                memcpy(&dh, hdr + 2 * c, 2);
+                if (fmt == Q_FMT_Q4) memcpy(&mh, hdr + 64 + 2 * c, 2);
+                const float d = half_to_float(dh), m = half_to_float(mh);
+                float *row = out + (t * Q_NR + c) * K + b * QB;
+                for (int64_t kk = 0; kk < QB; kk++) {
+                    float q;
+                    if (fmt == Q_FMT_Q8)
+                        q = vnni ? (float)((int)qs[(kk / 4) * 128 + (c / 16) * 64 + (c % 16) * 4 + kk % 4] - 128)
+                                 : (float)(int8_t)qs[kk * 32 + c];
+                    else
+                        q = (float)((qs[vnni ? (kk / 4) * 64 + (c % 16) * 4 + kk % 4 : kk * 16 + (c & 15)] >>
+                                     (c < 16 ? 0 : 4)) & 15);
+                    row[kk] = fmt == Q_FMT_Q8 ? d * q : d * q + m;
+                }
+            }
+        }
+    return 0;
+}
+
 /* 16 float lanes: one AVX-512 register, else two v8 */
 #if defined(__AVX512F__)
 typedef __m512 v16;
@@ -451,20 +495,6 @@ static inline void v16_u4(const uint8_t *p, v16 *lo, v16 *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
 }
 #else
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    float f;
-    if (exp == 0) f = ldexpf((float)man, -24); /* zero or subnormal */
-    else if (exp == 31) {
-        const uint32_t u = 0x7f800000u | (man << 13);
-        memcpy(&f, &u, 4);
-    } else f = ldexpf((float)(man | 0x400), (int)exp - 25);
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u |= sign;
-    memcpy(&f, &u, 4);
-    return f;
-}
 typedef struct {
     v8 lo, hi;
 } v16;
