@@ -14,16 +14,10 @@ from llmdeploy.engine.models.quant import quantize_q8
 from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels import reference as ops
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here")
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    """Two threads: long single sequences are then split across them (the flash-decoding merge)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [
+    pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here"),
+    pytest.mark.usefixtures("two_threads"),
+]
 
 
 def paged(

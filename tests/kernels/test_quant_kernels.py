@@ -13,19 +13,14 @@ from llmdeploy.engine.models.quant import BlockWeights, QuantLinear, quantize_q8
 from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels.cpu_native import Q_BLOCK, QFormat
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here")
+pytestmark = [
+    pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here"),
+    pytest.mark.usefixtures("two_threads"),
+]
 needs_vnni = pytest.mark.skipif(
     not cpu_native.q_vnni_available(), reason="the VNNI kernel needs AVX-512 VNNI"
 )
 ROWS = [1, 2, 5, 6, 7, 13, 40]  # 6 rows per register block: every tail size
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_blocks(fmt: QFormat, n: int, k: int, seed: int = 0) -> BlockWeights:
