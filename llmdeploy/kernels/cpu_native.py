@@ -36,7 +36,6 @@ c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 LINEAR_ARGS = [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
 NORM_ARGS = [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int]
 ROPE_ARGS = [c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
-Q_PACK_ARGS = [c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr]
 Q_LINEAR_ARGS = [c_int, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
 SIGNATURES = {
     "llmd_has_avx2": [],
@@ -65,9 +64,8 @@ SIGNATURES = {
         c_int,
     ],
     "llmd_has_avx512_vnni": [],
-    "llmd_q_pack": Q_PACK_ARGS,
+    "llmd_q_pack": [c_int, c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_q_linear": Q_LINEAR_ARGS,
-    "llmd_qv_pack": Q_PACK_ARGS,
     "llmd_qv_linear": Q_LINEAR_ARGS,
     "llmd_q_unpack": [c_int, c_int, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_add_rms_norm": NORM_ARGS,
@@ -286,8 +284,7 @@ def q_pack(
     q, d = q.contiguous(), d.contiguous()
     m = m.contiguous() if m is not None else None
     data = torch.empty(q_packed_bytes(fmt, n, k), dtype=torch.uint8)
-    pack = lib.llmd_qv_pack if vnni else lib.llmd_q_pack
-    rc = pack(int(fmt), q.data_ptr(), d.data_ptr(), _ptr(m), n, k, data.data_ptr())
+    rc = lib.llmd_q_pack(int(fmt), int(vnni), q.data_ptr(), d.data_ptr(), _ptr(m), n, k, data.data_ptr())
     return QPacked(data, fmt, vnni, n, k) if rc == 0 else None
 
 

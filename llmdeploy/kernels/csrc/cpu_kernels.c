@@ -406,9 +406,18 @@ enum { Q_FMT_Q8 = 0, Q_FMT_Q4 = 1 };
 
 static inline int64_t q_block_bytes(int fmt) { return fmt == Q_FMT_Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
 
-/* q [N, K] (int8 for Q8; 0..15 for Q4), d and m [N, K / QB] float16 bits (m unused for Q8) -> packed (size:
- * ceil(N / Q_NR) * (K / QB) * q_block_bytes(fmt)); channels past N are zeros */
-int llmd_q_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+/* where channel c's quant of block input kk sits in a block's quant bytes: the float kernel's layout (vnni = 0:
+ * per input, 32 channels) or the VNNI kernel's (per 4 inputs, each channel's 4 adjacent); Q4 keeps channel c + 16
+ * in the high nibble of channel c's byte */
+static inline int64_t q_pos(int fmt, int vnni, int64_t kk, int64_t c) {
+    if (!vnni) return fmt == Q_FMT_Q8 ? kk * 32 + c : kk * 16 + (c & 15);
+    return fmt == Q_FMT_Q8 ? (kk / 4) * 128 + (c / 16) * 64 + (c % 16) * 4 + kk % 4 : (kk / 4) * 64 + (c % 16) * 4 + kk % 4;
+}
+
+/* q [N, K] (int8 for Q8; 0..15 for Q4), d and m [N, K / QB] float16 bits (m unused for Q8) -> packed for the
+ * float kernel (vnni = 0) or the VNNI one (size: ceil(N / Q_NR) * (K / QB) * q_block_bytes(fmt)); channels past N
+ * get d = 0, so whatever their quants they give zero. VNNI Q8 quants are stored + 128 (vpdpbusd's unsigned side). */
+int llmd_q_pack(int fmt, int vnni, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
                 uint8_t *packed) {
     if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
     const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, bb = q_block_bytes(fmt);
@@ -417,15 +426,14 @@ int llmd_q_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m,
         for (int64_t b = 0; b < blocks; b++) {
             uint8_t *hdr = packed + (t * blocks + b) * bb;
             uint8_t *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
-            for (int64_t c = 0; c < Q_NR; c++) {
+            for (int64_t c = 0; c < Q_NR && t * Q_NR + c < N; c++) {
                 const int64_t n = t * Q_NR + c;
-                if (n >= N) break;
                 memcpy(hdr + 2 * c, d + n * blocks + b, 2);
                 if (fmt == Q_FMT_Q4) memcpy(hdr + 64 + 2 * c, m + n * blocks + b, 2);
                 for (int64_t kk = 0; kk < QB; kk++) {
                     const uint8_t v = q[n * K + b * QB + kk];
-                    if (fmt == Q_FMT_Q8) qs[kk * 32 + c] = v;
-                    else qs[kk * 16 + (c & 15)] |= (uint8_t)((v & 15) << (c < 16 ? 0 : 4));
+                    if (fmt == Q_FMT_Q8) qs[q_pos(fmt, vnni, kk, c)] = vnni ? (uint8_t)((int)(int8_t)v + 128) : v;
+                    else qs[q_pos(fmt, vnni, kk, c)] |= (uint8_t)((v & 15) << (c < 16 ? 0 : 4));
                 }
             }
         }
@@ -447,7 +455,7 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* out [N, K] float32 = the weights packed by llmd_q_pack (vnni = 0) or llmd_qv_pack (vnni = 1), as a dequantizing
+/* out [N, K] float32 = the weights llmd_q_pack packed for either kernel, as a dequantizing
  * loader computes them (d * q is exact in float32, then + m) */
 int llmd_q_unpack(int fmt, int vnni, const uint8_t *packed, int64_t N, int64_t K, float *out) {
     if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
@@ -462,18 +470,20 @@ int llmd_q_unpack(int fmt, int vnni, const uint8_t *packed, int64_t N, int64_t K
                 const float d = half_to_float(dh), m = half_to_float(mh);
                 float *row = out + (t * Q_NR + c) * K + b * QB;
                 for (int64_t kk = 0; kk < QB; kk++) {
-                    float q;
-                    if (fmt == Q_FMT_Q8)
-                        q = vnni ? (float)((int)qs[(kk / 4) * 128 + (c / 16) * 64 + (c % 16) * 4 + kk % 4] - 128)
-                                 : (float)(int8_t)qs[kk * 32 + c];
-                    else
-                        q = (float)((qs[vnni ? (kk / 4) * 64 + (c % 16) * 4 + kk % 4 : kk * 16 + (c & 15)] >>
-                                     (c < 16 ? 0 : 4)) & 15);
+                    const uint8_t v = qs[q_pos(fmt, vnni, kk, c)];
+                    const float q = fmt == Q_FMT_Q4 ? (float)((v >> (c < 16 ? 0 : 4)) & 15)
+                                    : vnni          ? (float)((int)v - 128)
+                                                    : (float)(int8_t)v;
                     row[kk] = fmt == Q_FMT_Q8 ? d * q : d * q + m;
                 }
             }
         }
     return 0;
+}
+
+/* rows of a tile's float32 sums (tmp, Q_NR per row) + bias -> y, the tile's `real` channels only */
+static inline void q_store_row(const float *tmp, const float *bias, float *y, int real) {
+    for (int c = 0; c < real; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);
 }
 
 /* 16 float lanes: one AVX-512 register, else two v8 */
@@ -562,7 +572,7 @@ static inline __attribute__((always_inline)) void q_block(const float *x, int64_
     for (int i = 0; i < MR; i++) {
         v16_store(tmp, a0[i]);
         v16_store(tmp + 16, a1[i]);
-        for (int c = 0; c < real; c++) y[i * ys + c] = tmp[c] + (bias ? bias[c] : 0.0f);
+        q_store_row(tmp, bias, y + i * ys, real);
     }
 }
 
@@ -624,31 +634,6 @@ int llmd_has_avx512_vnni(void) {
 #else
     return 0;
 #endif
-}
-
-int llmd_qv_pack(int fmt, const uint8_t *q, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                 uint8_t *packed) {
-    if (K % QB || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
-    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, bb = q_block_bytes(fmt);
-    memset(packed, 0, (size_t)(tiles * blocks * bb));
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *hdr = packed + (t * blocks + b) * bb;
-            uint8_t *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
-            for (int64_t c = 0; c < Q_NR; c++) {
-                const int64_t n = t * Q_NR + c;
-                if (n >= N) break; /* d = 0: whatever the quants, zero */
-                memcpy(hdr + 2 * c, d + n * blocks + b, 2);
-                if (fmt == Q_FMT_Q4) memcpy(hdr + 64 + 2 * c, m + n * blocks + b, 2);
-                for (int64_t kk = 0; kk < QB; kk++) {
-                    const uint8_t v = q[n * K + b * QB + kk];
-                    if (fmt == Q_FMT_Q8)
-                        qs[(kk / 4) * 128 + (c / 16) * 64 + (c % 16) * 4 + kk % 4] = (uint8_t)((int)(int8_t)v + 128);
-                    else qs[(kk / 4) * 64 + (c % 16) * 4 + kk % 4] |= (uint8_t)((v & 15) << (c < 16 ? 0 : 4));
-                }
-            }
-        }
-    return 0;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -727,7 +712,7 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
     for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(tmp, a0[i]);
         _mm512_storeu_ps(tmp + 16, a1[i]);
-        for (int c = 0; c < real; c++) y[i * ys + c] = tmp[c] + (bias ? bias[c] : 0.0f);
+        q_store_row(tmp, bias, y + i * ys, real);
     }
 }
 
@@ -745,7 +730,7 @@ static void qv_rows(int fmt, const int8_t *xq, int64_t K, const float *dx, const
 }
 #endif
 
-/* llmd_q_linear's contract with the weights packed by llmd_qv_pack. -2 without AVX-512 VNNI. */
+/* llmd_q_linear's contract with the weights llmd_q_pack packed with vnni = 1. -2 without AVX-512 VNNI. */
 int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -978,7 +963,7 @@ static inline __attribute__((always_inline)) void f32_block(const float *x, int6
     for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(tmp, a0[i]);
         _mm512_storeu_ps(tmp + 16, a1[i]);
-        for (int c = 0; c < real; c++) y[i * ys + c] = tmp[c] + (bias ? bias[c] : 0.0f);
+        q_store_row(tmp, bias, y + i * ys, real);
     }
 }
 
