@@ -26,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "prefill_attention.c"))
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
@@ -57,6 +57,22 @@ SIGNATURES = {
         c_ptr,
         c_int64,
         c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_float,
+        c_int,
+    ],
+    "llmd_paged_prefill_attention_bf16": [
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_ptr,
         c_int64,
         c_int64,
         c_int64,
@@ -101,7 +117,7 @@ def build_key(cc: str, flags: tuple[str, ...]) -> str:
         )
     except OSError:
         cpu = platform.processor()
-    ident = "\0".join([SOURCE.read_text(), " ".join(flags), version, cpu])
+    ident = "\0".join([*(src.read_text() for src in SOURCES), " ".join(flags), version, cpu])
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -118,7 +134,7 @@ def build(flags: tuple[str, ...] = FLAGS, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{target.stem}.{uuid.uuid4().hex}.so"
     proc = subprocess.run(
-        [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"],
+        [cc, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"],
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT_S,
@@ -213,6 +229,54 @@ def decode_attention(
     if rc != 0:
         return None
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """One sequence's prefill chunk, query [n, H, D] bf16 (the last n of context_len positions, their K/V stored)
+    against its bf16 cache read in place (kernels/csrc/prefill_attention.c, AVX-512 BF16); None where it does not
+    apply, so the caller keeps the torch path."""
+    n, num_heads, head_dim = query.shape
+    if (
+        query.device.type != "cpu"
+        or query.dtype != torch.bfloat16
+        or k_cache.dtype != torch.bfloat16
+        or v_cache.dtype != torch.bfloat16
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or head_dim % 64
+        or not 0 < n <= context_len
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
+    table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+    table = table.contiguous()
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.bfloat16)
+    rc = lib.llmd_paged_prefill_attention_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        k_cache.shape[1],
+        n,
+        context_len,
+        out.data_ptr(),
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        scale,
+        _threads(),
+    )
+    return out if rc == 0 else None
 
 
 def _linear_rows(x: torch.Tensor, n: int, kernel) -> torch.Tensor | None:

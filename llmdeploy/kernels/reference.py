@@ -174,6 +174,10 @@ def paged_prefill_attention(
     starts = cu_seqlens_q.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         q0, q1 = starts[i], starts[i + 1]
+        native = cpu_native.prefill_attention(query[q0:q1], k_cache, v_cache, block_tables[i], ctx, scale)
+        if native is not None:
+            out[q0:q1] = native
+            continue
         k = gather_kv(k_cache, block_tables[i : i + 1], ctx)[0]  # [L, Hkv, D]
         v = gather_kv(v_cache, block_tables[i : i + 1], ctx)[0]
         out[q0:q1] = causal_attention(query[q0:q1], k, v, ctx - (q1 - q0), scale)

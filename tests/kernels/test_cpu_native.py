@@ -190,6 +190,10 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     assert lib.llmd_has_avx2() == 0 and lib.llmd_has_avx512() == 0
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
+    kb, vb, btb, _ = paged([40], 3, 64, 16, torch.bfloat16)
+    assert (
+        cpu_native.prefill_attention(q[:1].bfloat16(), kb, vb, btb[0], 40, 0.125) is None
+    )  # AVX-512 BF16 only
     assert not cpu_native.q_vnni_available()  # the block-quantized linear: its float32 kernel
     lin = cpu_native.q_linear(x, cpu_native.q_pack(w.fmt, w.q, w.d, None), None)
     torch.testing.assert_close(lin, torch.nn.functional.linear(x, w.dequantize()), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,100 @@
+"""The native bf16 prefill attention (kernels/csrc/prefill_attention.c) against the float64 definition and the torch
+path it replaces: causal chunks at any position of a context read in place from scattered cache blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import reference as ops
+from tests.kernels.test_cpu_native import paged
+
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_native.bf16_linear_available(), reason="the native bf16 prefill attention needs AVX-512 BF16"
+    ),
+    pytest.mark.usefixtures("two_threads"),
+]
+
+CASES = [  # (chunk length, context length, kv heads, group, head dim, block size)
+    (1, 1, 3, 3, 64, 16),  # a one-token prompt
+    (5, 5, 3, 3, 64, 16),
+    (1, 77, 2, 4, 64, 16),  # one query at the end of a context: the last chunk of a prompt
+    (33, 33, 3, 3, 64, 16),  # a whole prompt one key past a tile
+    (32, 700, 3, 3, 64, 16),  # a late chunk of a long prompt
+    (96, 1400, 3, 3, 64, 32),
+    (300, 300, 1, 8, 64, 16),  # eight query heads on one kv head
+    (70, 130, 4, 1, 128, 16),  # no GQA, head dim 128 (two p.v passes)
+    (17, 500, 2, 5, 128, 32),  # rows per kv head not a multiple of the kernel's row block
+]
+
+
+def definition(q, k_cache, v_cache, table, ctx, scale) -> torch.Tensor:
+    """Causal attention of q (the last len(q) positions) in float64 over the gathered cache."""
+    k = ops.gather_kv(k_cache, table[None], ctx)[0].double()
+    v = ops.gather_kv(v_cache, table[None], ctx)[0].double()
+    return ops.causal_attention(q.double(), k, v, ctx - q.shape[0], scale)
+
+
+@pytest.mark.parametrize("n,ctx,hkv,group,head_dim,block_size", CASES)
+def test_prefill_matches_the_definition_and_the_torch_path(n, ctx, hkv, group, head_dim, block_size):
+    k, v, bt, _ = paged([ctx], hkv, head_dim, block_size, torch.bfloat16, seed=n + ctx)
+    q = torch.randn(n, hkv * group, head_dim, generator=torch.Generator().manual_seed(ctx)).bfloat16()
+    scale = head_dim**-0.5
+    out = cpu_native.prefill_attention(q, k, v, bt[0], ctx, scale)
+    assert out is not None and out.shape == q.shape and out.dtype == torch.bfloat16
+    ref = definition(q, k, v, bt[0], ctx, scale)
+    # bf16 output rounding (2^-9 relative) plus the probabilities' rounding to bf16 (2^-9 of |v| <= ~4 where a
+    # row sees few keys and their values cancel)
+    torch.testing.assert_close(out.double(), ref, atol=8e-3, rtol=8e-3)
+    torch_path = ops.causal_attention(
+        q, ops.gather_kv(k, bt[:1], ctx)[0], ops.gather_kv(v, bt[:1], ctx)[0], ctx - n, scale
+    )
+    assert (out.double() - ref).abs().mean() <= 1.5 * (torch_path.double() - ref).abs().mean() + 1e-4
+
+
+def test_prefill_op_runs_every_sequence_of_a_step_natively(monkeypatch):
+    """paged_prefill_attention over three chunks (one a prefix-cache hit on another's blocks): the native kernel
+    answers each, and the whole step agrees with the torch path."""
+    lens, chunks = [40, 260, 9], [40, 32, 9]
+    k, v, bt, cl = paged(lens, 3, 64, 16, torch.bfloat16, share=2)
+    q = torch.randn(sum(chunks), 9, 64).bfloat16()
+    cu = torch.tensor([0, 40, 72, 81], dtype=torch.int32)
+    calls = []
+    native = cpu_native.prefill_attention
+    monkeypatch.setattr(cpu_native, "prefill_attention", lambda *a: calls.append(1) or native(*a))
+    out = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)
+    assert len(calls) == 3
+    monkeypatch.setattr(cpu_native, "prefill_attention", lambda *a: None)
+    torch_path = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)
+    torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_reads_a_strided_query():
+    k, v, bt, _ = paged([50], 3, 64, 16, torch.bfloat16)
+    qkv = torch.randn(20, 9 + 6, 64).bfloat16()
+    q = qkv[:, :9]  # a view into the fused qkv output, as the model passes it
+    torch.testing.assert_close(
+        cpu_native.prefill_attention(q, k, v, bt[0], 50, 0.125),
+        cpu_native.prefill_attention(q.contiguous(), k, v, bt[0], 50, 0.125),
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_prefill_declines_what_it_does_not_cover():
+    k, v, bt, cl = paged([20], 2, 64, 16, torch.bfloat16)
+    q = torch.randn(8, 4, 64).bfloat16()
+    assert cpu_native.prefill_attention(q.float(), k, v, bt[0], 20, 0.125) is None  # a float32 query
+    assert cpu_native.prefill_attention(q, k.float(), v.float(), bt[0], 20, 0.125) is None  # a float32 cache
+    assert cpu_native.prefill_attention(q, k, v, bt[0], 5, 0.125) is None  # more queries than context
+    k80, v80, bt80, _ = paged([20], 2, 80, 16, torch.bfloat16)
+    q80 = torch.randn(8, 4, 80).bfloat16()
+    assert cpu_native.prefill_attention(q80, k80, v80, bt80[0], 20, 0.125) is None  # head dim 80
+    # the op itself still answers, through the torch path
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    out = ops.paged_prefill_attention(q80, k80, v80, cu, cl, bt80, 0.125)
+    torch.testing.assert_close(
+        out.double(), definition(q80, k80, v80, bt80[0], 20, 0.125), atol=8e-3, rtol=8e-3
+    )
