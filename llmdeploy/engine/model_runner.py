@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from llmdeploy.engine.attention import AttentionMetadata
+from llmdeploy.engine.attn_probe import MIN_PROBE_CONTEXT, PROBE_TOKENS, probe_attn_cost_context
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.cuda_graphs import capture_decode_graphs
 from llmdeploy.engine.errors import CapacityError
@@ -41,7 +42,8 @@ CUDA_FREE_MARGIN = 256 << 20  # left free on the GPU for the allocator and other
 # How fast the torch reference attention runs per FLOP, relative to the projections, by dtype. Measured on SmolLM2-135M
 # (2 threads, 2026-11-30): a chunk of n tokens after c cached ones took n x 0.71 ms x (1 + c / 1000) in float32 and
 # n x 0.43 ms x (1 + c / 550) in bfloat16, against a FLOP parity context of 3072 (see attn_cost_context).
-# The Triton kernels are not measured yet: no sizing by cost there.
+# Used only where no long context can be timed at start (engine/attn_probe.py; max_model_len under 321). The Triton
+# kernels are not measured yet: no sizing by cost there.
 TORCH_ATTN_EFFICIENCY = {torch.float32: 0.33, torch.bfloat16: 0.18, torch.float16: 0.18}
 
 
@@ -133,7 +135,6 @@ class ModelRunner:
         self.block_size = config.block_size
         ops = {layer.ops.__name__ for layer in self.model.attention_layers()}
         self.kernel_backend = "torch" if ops == {"llmdeploy.kernels.reference"} else "triton"
-        self.attn_cost_context = self.measured_attn_cost_context()
         self.max_model_len = min(config.max_model_len, self.arch.max_position_embeddings)
         if self.max_model_len < config.max_model_len:
             log.warning(
@@ -143,6 +144,12 @@ class ModelRunner:
                 self.max_model_len,
             )
         self.decode_graphs = None  # captured after the KV cache exists (warm-up runs eager)
+        self.attn_cost_context, how = self.measured_attn_cost_context()
+        log.info(
+            "attention cost: a prefill token at context %s costs two fresh ones (%s)",
+            self.attn_cost_context and round(self.attn_cost_context),
+            how,
+        )
         self.calibration = self.warmup()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
@@ -171,10 +178,19 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.close()
 
-    def measured_attn_cost_context(self) -> float | None:
-        """Context length at which a prefill token's attention costs as much as its projections (the scheduler
-        sizes chunks by it): the FLOP parity context (projection FLOPs per token / attention FLOPs per cached
-        token) scaled by the attention's measured relative speed. None where it is not measured."""
+    def measured_attn_cost_context(self) -> tuple[float | None, str]:
+        """Context length at which a prefill token's attention costs as much as the rest of its forward (the
+        scheduler sizes chunks by it), and how it was found: timed here on the CPU (engine/attn_probe.py), else
+        the FLOP-based estimate. None where neither applies (CUDA: not measured yet)."""
+        if self.kernel_backend == "torch" and self.device.type == "cpu" and self.tp is None:
+            measured = probe_attn_cost_context(self)
+            if measured is not None or self.max_model_len > MIN_PROBE_CONTEXT + PROBE_TOKENS:
+                return measured, "timed at start"
+        return self.estimated_attn_cost_context(), "estimated from FLOPs"
+
+    def estimated_attn_cost_context(self) -> float | None:
+        """The FLOP parity context (projection FLOPs per token / attention FLOPs per cached token) scaled by the
+        torch attention's relative speed measured once (TORCH_ATTN_EFFICIENCY); where no long context can be timed."""
         efficiency = TORCH_ATTN_EFFICIENCY.get(self.dtype) if self.kernel_backend == "torch" else None
         if efficiency is None:
             return None

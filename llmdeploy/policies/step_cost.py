@@ -27,6 +27,16 @@ def chunk_cost(context: int, n: int, attn_cost_context: float | None) -> float:
     return n * (1 + (context + n / 2) / attn_cost_context) if attn_cost_context else float(n)
 
 
+def attn_cost_context_from(fresh_s: float, late_s: float, n: int, context: int) -> float | None:
+    """chunk_cost's constant from one chunk of n tokens timed after 0 and after `context` cached tokens: the X
+    with late / fresh = chunk_cost(context, n, X) / chunk_cost(0, n, X). None when the late chunk was not
+    measurably slower (attention is then cheap against the rest of the step: no weighting)."""
+    ratio = late_s / fresh_s if fresh_s > 0 else 0.0
+    if ratio <= 1.01:
+        return None
+    return max(1.0, (context + n / 2 * (1 - ratio)) / (ratio - 1))
+
+
 @dataclass(frozen=True)
 class StepCost:
     fixed_s: float
