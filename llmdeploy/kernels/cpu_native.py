@@ -83,6 +83,7 @@ SIGNATURES = {
     "llmd_q_pack": [c_int, c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_q_linear": Q_LINEAR_ARGS,
     "llmd_qv_linear": Q_LINEAR_ARGS,
+    "llmd_q_bf16_linear": Q_LINEAR_ARGS,
     "llmd_q_unpack": [c_int, c_int, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_add_rms_norm": NORM_ARGS,
     "llmd_add_rms_norm_bf16": NORM_ARGS,
@@ -361,14 +362,27 @@ def q_unpack(packed: QPacked) -> torch.Tensor:
     return out
 
 
+# Rows from which the float kernel's layout runs as bf16 products of a once-dequantized tile (llmd_q_bf16_linear,
+# AVX-512 BF16) instead of float32 ones of the exact weights: where the float32 kernel stops being bandwidth-bound.
+Q_BF16_MIN_ROWS = 8
+
+
 def q_linear(x: torch.Tensor, packed: QPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x[..., K] float32 @ w[N, K]^T + bias (float32) -> [..., N] float32, w as q_pack made it; None if the kernel
-    does not apply."""
+    does not apply. VNNI layout: x rounded to int8 per block (llama.cpp's way); float layout: exact weights times
+    float32 x below Q_BF16_MIN_ROWS rows, bf16-rounded weights and x (float32 sums) from there where the CPU has
+    AVX-512 BF16."""
     lib = library()
     n, k = packed.out_features, packed.in_features
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
         return None
-    kernel = lib.llmd_qv_linear if packed.vnni else lib.llmd_q_linear
+    rows = x.numel() // k if k else 0
+    if packed.vnni:
+        kernel = lib.llmd_qv_linear
+    elif rows >= Q_BF16_MIN_ROWS and lib.llmd_has_avx512_bf16():
+        kernel = lib.llmd_q_bf16_linear
+    else:
+        kernel = lib.llmd_q_linear
     return _linear_rows(
         x,
         n,

@@ -1,5 +1,6 @@
-"""The block-quantized linear kernels (cpu_kernels.c q_linear / qv_linear) against their definitions: the float32
-kernel equals x @ dequantized(w)^T up to summation order; the VNNI kernel equals the same product with x rounded
+"""The block-quantized linear kernels (cpu_kernels.c q_linear / q_bf16_linear / qv_linear) against their
+definitions: the float32 kernel equals x @ dequantized(w)^T up to summation order; from Q_BF16_MIN_ROWS rows the
+same layout runs as bf16(x) @ bf16(dequantized w)^T; the VNNI kernel equals the same product with x rounded
 to int8 per block of 32 (as llama.cpp computes it), which this file computes exactly in float64. Q8 and Q4 blocks,
 channel tails, bias, leading dims and row strides, every row-block size; the layer's padding of a K that is not a
 multiple of 32; what the kernels decline."""
@@ -53,7 +54,8 @@ def int8_rounded_product(x: torch.Tensor, w: BlockWeights) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", list(QFormat))
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_float_kernel_equals_the_dequantized_product(fmt, rows, bias):
+def test_float_kernel_equals_the_dequantized_product(fmt, rows, bias, monkeypatch):
+    monkeypatch.setattr(cpu_native, "Q_BF16_MIN_ROWS", 10**9)  # the float32 kernel at every row count
     n, k = 70, 96  # a channel tail in the last tile of 32, three blocks
     w = random_blocks(fmt, n, k, seed=rows)
     b = torch.randn(n) if bias else None
@@ -62,6 +64,50 @@ def test_float_kernel_equals_the_dequantized_product(fmt, rows, bias):
     x = torch.randn(rows, k)
     ref = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if b is None else b.double())
     torch.testing.assert_close(cpu_native.q_linear(x, packed, b).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+needs_bf16 = pytest.mark.skipif(
+    not cpu_native.bf16_linear_available(), reason="the many-row kernel needs AVX-512 BF16"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", list(QFormat))
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 40])  # 12 rows per register block of the bf16 kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_run_bf16_products_of_the_dequantized_weight(fmt, rows, bias, monkeypatch):
+    """From Q_BF16_MIN_ROWS rows the float layout runs as bf16(x) @ bf16(dequantized w)^T with float32 sums."""
+    monkeypatch.setattr(cpu_native, "Q_BF16_MIN_ROWS", 1)
+    n, k = 70, 96
+    w = random_blocks(fmt, n, k, seed=200 + rows)
+    b = torch.randn(n) if bias else None
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=False)
+    x = torch.randn(rows, k)
+    out = cpu_native.q_linear(x, packed, b)
+    wb = w.dequantize().bfloat16().double()
+    ref = torch.nn.functional.linear(x.bfloat16().double(), wb, None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_bf16
+def test_the_row_count_picks_the_kernel():
+    """Below Q_BF16_MIN_ROWS the exact weights meet float32 rows; from there bf16 ones (decode stays exact)."""
+    w = random_blocks(QFormat.Q8, 64, 64, seed=7)
+    packed = cpu_native.q_pack(w.fmt, w.q, w.d, None, vnni=False)
+    exact_w, bf16_w = w.dequantize().double(), w.dequantize().bfloat16().double()
+    for rows in (cpu_native.Q_BF16_MIN_ROWS - 1, cpu_native.Q_BF16_MIN_ROWS):
+        x = torch.randn(rows, 64)
+        out = cpu_native.q_linear(x, packed, None).double()
+        exact = x.double() @ exact_w.T
+        rounded = x.bfloat16().double() @ bf16_w.T
+        near, far = (exact, rounded) if rows < cpu_native.Q_BF16_MIN_ROWS else (rounded, exact)
+        assert (out - near).abs().max() < 1e-4 < (out - far).abs().max()
+
+
+def test_int8_layers_are_weight_only():
+    """model.quantization int8 packs the float layout: the layers' inputs are never rounded to int8."""
+    layer = QuantLinear(quantize_q8(torch.randn(32, 64)), None, int8_inputs=False)
+    assert layer.packed is not None and not layer.packed.vnni
 
 
 @needs_vnni
