@@ -35,10 +35,11 @@ class ModelSpec(Section):
     max_model_len: int = Field(2048, ge=16, description="longest prompt + completion in tokens")
     quantization: Literal["none", "int8", "gguf"] = Field(
         "none",
-        description="weight-only, CPU (greedy output may differ from float32). int8: the weights quantized to "
-        "int8 blocks at load (GGUF's Q8_0 layout; a quarter of float32's bytes for bandwidth-bound decode); gguf: "
-        "a .gguf model's own Q8_0/Q4_0/Q4_1 weights served as stored, without a float copy (other types "
-        "dequantized)",
+        description="CPU (greedy output may differ from float32). int8: weight-only, the weights quantized to "
+        "int8 blocks at load (GGUF's Q8_0 layout; a quarter of float32's bytes for bandwidth-bound decode), inputs "
+        "kept in float; gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 weights served as stored, without a float copy "
+        "(other types dequantized), each layer's input rounded to int8 per block as llama.cpp does where the CPU "
+        "has AVX-512 VNNI",
     )
 
     @field_validator("path")
