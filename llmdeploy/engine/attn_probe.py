@@ -3,7 +3,7 @@
 The scheduler sizes long prompts' chunks, and /load predicts TTFT, by chunk_cost's attention constant
 (policies/step_cost.py). It was a figure per dtype measured once on one CPU with one attention kernel; the native
 bf16 prefill attention (kernels/csrc/prefill_attention.c) made it wrong by 3x on the machine it came from
-(550 -> ~1,700 tokens on Zen 4). Here the same chunk is timed at context 0 and at a long context, on a scratch
+(550 -> ~1,600-2,700 tokens on Zen 4). Here the same chunk is timed at context 0 and at a long context, on a scratch
 cache, with the model, kernels and threads the engine will serve with.
 """
 
@@ -20,7 +20,9 @@ from llmdeploy.policies.step_cost import attn_cost_context_from
 if TYPE_CHECKING:
     from llmdeploy.engine.model_runner import ModelRunner
 
-PROBE_TOKENS = 64  # one chunk: the fixed part of a step stays small beside it
+# one chunk: the fixed part of a step stays small beside it, and the projections run at prefill speed (with 64
+# tokens the constant came out ~1,600-2,000 on Zen 4, with 128 and 256 ~2,400-2,700: closer to whole prompts')
+PROBE_TOKENS = 128
 PROBE_CONTEXT = 1024  # long enough that attention is a measurable share of the step
 MIN_PROBE_CONTEXT = 256  # below this (a short max_model_len) the difference is noise: not probed
 REPEATS = 2  # the faster of two runs of each step
