@@ -28,11 +28,15 @@ MIN_PROBE_CONTEXT = 256  # below this (a short max_model_len) the difference is 
 REPEATS = 2  # the faster of two runs of each step
 
 
-def probe_attn_cost_context(runner: ModelRunner) -> float | None:
-    """chunk_cost's constant measured here, or None where max_model_len leaves no long context to time."""
-    context = min(PROBE_CONTEXT, runner.max_model_len - PROBE_TOKENS - 1)
-    if context < MIN_PROBE_CONTEXT:
-        return None
+def probe_context(max_model_len: int) -> int | None:
+    """The context the probe times its late chunk at, or None where max_model_len leaves no long one."""
+    context = min(PROBE_CONTEXT, max_model_len - PROBE_TOKENS - 1)
+    return context if context >= MIN_PROBE_CONTEXT else None
+
+
+def probe_attn_cost_context(runner: ModelRunner, context: int) -> float | None:
+    """chunk_cost's constant measured here with the late chunk at `context` (None: attention not measurably
+    dearer there)."""
     seq = Sequence([i % runner.arch.vocab_size for i in range(context + PROBE_TOKENS)])
     blocks = -(-len(seq) // runner.block_size)
     seq.block_table = list(range(blocks))

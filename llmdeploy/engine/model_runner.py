@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from llmdeploy.engine.attention import AttentionMetadata
-from llmdeploy.engine.attn_probe import MIN_PROBE_CONTEXT, PROBE_TOKENS, probe_attn_cost_context
+from llmdeploy.engine.attn_probe import probe_attn_cost_context, probe_context
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.cuda_graphs import capture_decode_graphs
 from llmdeploy.engine.errors import CapacityError
@@ -185,10 +185,10 @@ class ModelRunner:
         """Context length at which a prefill token's attention costs as much as the rest of its forward (the
         scheduler sizes chunks by it), and how it was found: timed here on the CPU (engine/attn_probe.py), else
         the FLOP-based estimate. None where neither applies (CUDA: not measured yet)."""
-        if self.kernel_backend == "torch" and self.device.type == "cpu" and self.tp is None:
-            measured = probe_attn_cost_context(self)
-            if measured is not None or self.max_model_len > MIN_PROBE_CONTEXT + PROBE_TOKENS:
-                return measured, "timed at start"
+        timed_here = self.kernel_backend == "torch" and self.device.type == "cpu" and self.tp is None
+        context = probe_context(self.max_model_len) if timed_here else None
+        if context is not None:
+            return probe_attn_cost_context(self, context), "timed at start"
         return self.estimated_attn_cost_context(), "estimated from FLOPs"
 
     def estimated_attn_cost_context(self) -> float | None:
