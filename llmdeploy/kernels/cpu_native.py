@@ -26,7 +26,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.c", "prefill_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("cpu_kernels.c", "prefill_attention.c", "decode_step.c")
+)
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
@@ -88,6 +91,21 @@ SIGNATURES = {
     "llmd_add_rms_norm": NORM_ARGS,
     "llmd_add_rms_norm_bf16": NORM_ARGS,
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
+    "llmd_silu_mul_bf16": [c_ptr, c_ptr, c_int64, c_int64, c_int],
+    # decode_step.c: act_bf16, n_layers, layers, hidden, residual, M, E, H, Hkv, D, I, eps, cos, sin, slots,
+    # tables, bt_stride, lens, block_size, scale, q_bf16_min_rows, nthreads
+    "llmd_decode_layers": [
+        c_int,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        *[c_int64] * 6,
+        c_float,
+        *[c_ptr] * 4,
+        c_int64,
+    ]
+    + [c_ptr, c_int64, c_float, c_int64, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_rope_store_bf16": ROPE_ARGS,
 }

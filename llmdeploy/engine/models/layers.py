@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels.decode_step import LinearKind, NativeLinear
 
 
 class RMSNorm(nn.Module):
@@ -143,6 +144,13 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
         return self.run(x)
+
+    def native_linear(self) -> NativeLinear | None:
+        """This layer for the native decode step (kernels/decode_step.py); None where only oneDNN runs it."""
+        if self.native is None:
+            return None
+        kind = LinearKind.BF16 if self.dtype == torch.bfloat16 else LinearKind.F32
+        return NativeLinear(kind, self.native, self.bias, self.out_features, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:  # a dense copy, for inspection

@@ -17,6 +17,7 @@ from llmdeploy.engine.models.layers import (
     pack_linears,
     silu_and_mul,
 )
+from llmdeploy.engine.models.native_step import NativeDecode
 from llmdeploy.engine.models.quant import BlockWeights, QuantLinear, concat_rows, quantize_linears
 from llmdeploy.engine.parallel.group import all_reduce
 from llmdeploy.engine.parallel.shard import Shard, Split
@@ -188,6 +189,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, backend, options) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, get_ops(backend))
+        self.native_decode = NativeDecode()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
@@ -196,8 +198,9 @@ class LlamaModel(nn.Module):
         rope = ops.rotary_tables(positions, cos_sin) if hasattr(ops, "apply_rotary") else cos_sin
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)  # x + 0 == x: every layer then has the same (compilable) form
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, rope, meta)
+        if not self.native_decode.run(self, hidden, residual, rope, meta):
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, rope, meta)
         return self.norm(hidden, residual)[0]
 
 
@@ -271,6 +274,7 @@ class LlamaForCausalLM(nn.Module):
         """Regional torch.compile: the decoder layers share one compiled graph (parameters are graph inputs), so
         the compile cost is that of one layer; attention stays eager (see paged_attention)."""
         opaque_to_compile()
+        self.model.native_decode.disable()
         for layer in self.model.layers:
             layer.compile(dynamic=True)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels.cpu_native import Q_BLOCK, QFormat
+from llmdeploy.kernels.decode_step import LinearKind, NativeLinear
 
 FP16_MAX = 65504.0
 
@@ -106,6 +107,15 @@ class QuantLinear(nn.Module):
         if out is None:
             out = F.linear(xf, self.weight, self.bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def native_linear(self) -> NativeLinear | None:
+        """This layer for the native decode step (kernels/decode_step.py): float32 activations, unpadded rows."""
+        if self.packed is None or self.padded_in != self.in_features:
+            return None
+        kind = LinearKind.QV if self.packed.vnni else LinearKind.Q
+        return NativeLinear(
+            kind, self.packed.data, self.bias, self.out_features, self.in_features, int(self.fmt)
+        )
 
     @property
     def weight(self) -> torch.Tensor:

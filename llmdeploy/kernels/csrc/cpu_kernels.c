@@ -877,6 +877,27 @@ int llmd_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const ui
     return 0;
 }
 
+/* silu_mul on bf16 rows, rounding as torch's F.silu(gate).mul_(up) in bf16 does: silu(gate) to bf16, then the
+ * product to bf16. Only the fused decode step calls it (decode_step.c): on its own, torch's two ops were faster. */
+int llmd_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t inter, int nthreads) {
+    if (inter % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t d = 0; d < inter; d += 8) {
+            const v8 gv = v8_load_bf16(g + d);
+            const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
+            float tmp[8], gs[8], es[8];
+            v8_store(gs, gv);
+            v8_store(es, e);
+            for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
+            v8_store_bf16(o + d, v8_mul(v8_round_bf16(v8_load(tmp)), v8_load_bf16(u + d)));
+        }
+    }
+    return 0;
+}
+
 /* One step's q/k rotation and K/V store. qkv: [N, (H + 2 * Hkv) * D] of T (float32 or bf16), rows of q heads, k
  * heads, v heads; cos, sin: [N, D] float32 (full-width cos, sign-folded sin: x * cos + swap_halves(x) * sin). q and
  * k heads are rotated in place (float32 math, stored back as T); then k and v rows go to the caches

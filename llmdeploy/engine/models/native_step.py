@@ -1,0 +1,114 @@
+"""A decode-only step's decoder layers as one native call (kernels/decode_step.py), for the Llama family on CPU.
+
+What it takes: one rank (no tensor parallelism), no per-head q/k norm, every projection on a native kernel
+(float32 / bf16 packed, or block-quantized with float32 activations), the torch backend's rotary tables. Anything
+else, a step with prefill tokens, or `engine.compile` on: the Python layers run, as before. Same kernels on the
+same buffers in the same order, so the output is the Python layers' (tests/engine/test_native_step.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmdeploy.engine.attention import AttentionMetadata
+from llmdeploy.kernels import decode_step
+from llmdeploy.kernels.decode_step import DecodeLayers, Dims, LinearKind, NativeLayer
+
+if TYPE_CHECKING:
+    from llmdeploy.engine.models.llama import LlamaDecoderLayer, LlamaModel
+
+
+def _native_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> NativeLayer | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_norm is not None or attn.tp_size != 1 or mlp.tp_size != 1:
+        return None
+    linears = [
+        getattr(m, "native_linear", lambda: None)()
+        for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    ]
+    quantized = (LinearKind.Q, LinearKind.QV)
+    if any(lin is None or (lin.kind in quantized and dtype != torch.float32) for lin in linears):
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    caches = (attn.attn.k_cache, attn.attn.v_cache)
+    if any(t.dtype != dtype or not t.is_contiguous() or t.numel() == 0 for t in (*norms, *caches)):
+        return None
+    return NativeLayer(*(n.detach() for n in norms), *linears, *caches)
+
+
+def _max_rows(model: LlamaModel) -> int | None:
+    """The fewest rows any projection runs natively (PackedLinear.native_max_rows: AMX takes more rows)."""
+    limits = [m.native_max_rows for m in model.modules() if getattr(m, "native_max_rows", None) is not None]
+    return min(limits) if limits else None
+
+
+class NativeDecode:
+    """The model's DecodeLayers, built at the first decode step and again when the KV cache moves."""
+
+    def __init__(self) -> None:
+        self.off = not decode_step.enabled()
+        self.key: tuple | None = None
+        self.layers: DecodeLayers | None = None
+        self.max_rows: int | None = None
+
+    def disable(self) -> None:
+        """engine.compile: the compiled layers run every step."""
+        self.off = True
+
+    def _layers(self, model: LlamaModel, dtype: torch.dtype) -> DecodeLayers | None:
+        first, last = model.layers[0].self_attn.attn, model.layers[-1].self_attn.attn
+        key = (dtype, first.k_cache.data_ptr(), last.v_cache.data_ptr(), last.v_cache.numel())
+        if key != self.key:
+            self.key, self.layers = key, self._build(model, dtype)
+        return self.layers
+
+    def _build(self, model: LlamaModel, dtype: torch.dtype) -> DecodeLayers | None:
+        layers = [_native_layer(layer, dtype) for layer in model.layers]
+        if any(layer is None for layer in layers):
+            return None
+        attn = model.layers[0].self_attn
+        dims = Dims(
+            hidden=model.embed_tokens.embedding_dim,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=layers[0].down.in_features,
+            eps=model.layers[0].input_layernorm.eps,
+            scale=attn.attn.scale,
+        )
+        self.max_rows = _max_rows(model)
+        return DecodeLayers(layers, dims, dtype)
+
+    def run(
+        self,
+        model: LlamaModel,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        rope: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Every layer over a decode-only step, hidden and residual updated in place; False: not run."""
+        rows = hidden.shape[0]
+        if (
+            self.off
+            or meta.num_prefill_tokens
+            or meta.num_decode_tokens != rows
+            or isinstance(rope, torch.Tensor)
+            or hidden.device.type != "cpu"
+            or torch.compiler.is_compiling()
+        ):
+            return False
+        layers = self._layers(model, hidden.dtype)
+        if layers is None or (self.max_rows is not None and rows > self.max_rows):
+            return False
+        cos, sin = rope
+        return layers.run(
+            hidden,
+            residual,
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+        )

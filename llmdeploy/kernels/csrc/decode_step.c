@@ -1,0 +1,183 @@
+/* A decode step's decoder layers in one call (Llama family, one rank): per layer add + RMSNorm, fused qkv, rotary
+ * + K/V store, paged decode attention, o, add + RMSNorm, fused gate/up, silu * up, down; built with cpu_kernels.c
+ * and calling its kernels in the order the Python layers do, on the same buffers, so the results are the same.
+ *
+ * Why: at batch 1 the weights stream in ~8 ms (bf16 SmolLM2 on 2 Zen 4 cores) but the step took 16 ms: ~270 kernel
+ * calls from Python, each 10-18 us of wrapper, ctypes and small tensor ops around 2-3 us of native call cost.
+ *
+ * Activations are float32 or bf16 (`act_bf16`); each projection is one llmd_linear: the float32 or bf16 packed
+ * weight of the activations' dtype, or block-quantized weights (float32 activations only). All shapes are checked
+ * before anything is written, so a -1 leaves the hidden state, the residual and the caches as they were. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_Q = 2, LIN_QV = 3 }; /* LinearKind in kernels/cpu_native.py */
+
+typedef struct {
+    int32_t kind, fmt; /* fmt: QFormat for LIN_Q / LIN_QV */
+    const void *w;     /* packed by the kind's pack function */
+    const void *bias;  /* NULL, or N of the activations' dtype (float32 for the quantized kinds) */
+    int64_t n, k;
+} llmd_linear;
+
+typedef struct {
+    const void *in_norm, *post_norm; /* E of the activations' dtype */
+    llmd_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [num_blocks * block_size, Hkv, D] of the activations' dtype */
+} llmd_layer;
+
+int llmd_f32_linear(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t, int);
+int llmd_bf16_linear(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                     int64_t, int);
+int llmd_q_linear(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                  int);
+int llmd_q_bf16_linear(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
+                       int64_t, int);
+int llmd_qv_linear(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                   int);
+int llmd_add_rms_norm(const float *, const float *, const float *, float *, float *, int64_t, int64_t, float, int);
+int llmd_add_rms_norm_bf16(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *, uint16_t *, int64_t,
+                           int64_t, float, int);
+int llmd_rope_store(float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *, const int64_t *,
+                    float *, float *, int);
+int llmd_rope_store_bf16(uint16_t *, int64_t, int64_t, int64_t, int64_t, const float *, const float *,
+                         const int64_t *, uint16_t *, uint16_t *, int);
+int llmd_paged_decode_attention(const float *, int64_t, const void *, const void *, int, const int32_t *, int64_t,
+                                const int32_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+int llmd_silu_mul(const float *, float *, int64_t, int64_t, int);
+int llmd_silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int);
+int llmd_has_avx512_bf16(void);
+
+/* the kernel q_linear in kernels/cpu_native.py picks for this kind and row count */
+static int linear(const llmd_linear *l, int act_bf16, const void *x, void *y, int64_t M, int64_t q_bf16_min_rows,
+                  int nthreads) {
+    switch (l->kind) {
+    case LIN_F32:
+        return llmd_f32_linear(x, l->k, l->w, l->bias, y, M, l->n, l->k, nthreads);
+    case LIN_BF16:
+        return llmd_bf16_linear(x, l->k, l->w, l->bias, y, M, l->n, l->k, nthreads);
+    case LIN_QV:
+        return llmd_qv_linear(l->fmt, x, l->k, l->w, l->bias, y, M, l->n, l->k, nthreads);
+    case LIN_Q:
+        if (M >= q_bf16_min_rows && llmd_has_avx512_bf16())
+            return llmd_q_bf16_linear(l->fmt, x, l->k, l->w, l->bias, y, M, l->n, l->k, nthreads);
+        return llmd_q_linear(l->fmt, x, l->k, l->w, l->bias, y, M, l->n, l->k, nthreads);
+    }
+    (void)act_bf16;
+    return -1;
+}
+
+static int linear_fits(const llmd_linear *l, int act_bf16, int64_t n, int64_t k) {
+    const int kind_ok = act_bf16 ? l->kind == LIN_BF16 : l->kind != LIN_BF16;
+    return kind_ok && l->w && l->n == n && l->k == k && (l->kind == LIN_F32 || k % 32 == 0);
+}
+
+static int shapes_fit(int act_bf16, int64_t n_layers, const llmd_layer *L, int64_t E, int64_t H, int64_t Hkv,
+                      int64_t D, int64_t I) {
+    if (E % 8 || I % 8 || D % 16 || H % Hkv || H > 256 || D > 512 || E % 2 || I % 2) return 0;
+    const int64_t qkv = (H + 2 * Hkv) * D;
+    for (int64_t i = 0; i < n_layers; i++) {
+        const llmd_layer *l = L + i;
+        if (!l->in_norm || !l->post_norm || !l->k_cache || !l->v_cache) return 0;
+        if (!linear_fits(&l->qkv, act_bf16, qkv, E) || !linear_fits(&l->o, act_bf16, E, H * D) ||
+            !linear_fits(&l->gate_up, act_bf16, 2 * I, E) || !linear_fits(&l->down, act_bf16, E, I))
+            return 0;
+    }
+    return 1;
+}
+
+#if defined(__AVX512BF16__)
+static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c += 16) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + r * src_stride + c));
+            _mm512_storeu_ps(dst + r * cols + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+}
+static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+}
+#else
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = bf16_to_f32(src[r * src_stride + c]);
+}
+static void to_bf16(const float *src, uint16_t *dst, int64_t n) { /* never reached: no bf16 linear without */
+    (void)src; (void)dst; (void)n;
+}
+#endif
+
+/* hidden, residual: [M, E] of the activations' dtype, updated in place to what the last layer returns (the model's
+ * final norm is the caller's). cos, sin: [M, D] float32 (reference.rotary_tables); slots: [M] int64; tables:
+ * [M, bt_stride] int32; lens: [M] int32 (context length with this token). Returns 0, -1 (shapes the kernels do not
+ * take: nothing written), -3 (out of memory: nothing written), or the failing kernel's code (cannot happen for
+ * shapes that passed the check). */
+int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, void *hidden, void *residual,
+                       int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
+                       const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
+                       int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
+                       int64_t q_bf16_min_rows, int nthreads) {
+    if (M < 1 || n_layers < 1 || nthreads < 1 || !shapes_fit(act_bf16, n_layers, L, E, H, Hkv, D, I)) return -1;
+#if !defined(__AVX512BF16__)
+    if (act_bf16) return -1;
+#endif
+    const size_t es = act_bf16 ? 2 : 4, qkv_row = (size_t)((H + 2 * Hkv) * D);
+    char *normed = malloc(es * (size_t)(M * E)), *qkv = malloc(es * (size_t)M * qkv_row);
+    char *gate_up = malloc(es * (size_t)(M * 2 * I)), *act = malloc(es * (size_t)(M * I));
+    float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
+    float *q32 = act_bf16 ? malloc(sizeof(float) * (size_t)(M * H * D)) : NULL;
+    uint16_t *attn16 = act_bf16 ? malloc(2 * (size_t)(M * H * D)) : NULL;
+    int rc = -3;
+    if (!normed || !qkv || !gate_up || !act || !attn || (act_bf16 && (!q32 || !attn16))) goto done;
+    rc = 0;
+    for (int64_t i = 0; i < n_layers && rc == 0; i++) {
+        const llmd_layer *l = L + i;
+        rc = act_bf16 ? llmd_add_rms_norm_bf16(hidden, residual, l->in_norm, (uint16_t *)normed, residual, M, E, eps,
+                                               nthreads)
+                      : llmd_add_rms_norm(hidden, residual, l->in_norm, (float *)normed, residual, M, E, eps,
+                                          nthreads);
+        if (!rc) rc = linear(&l->qkv, act_bf16, normed, qkv, M, q_bf16_min_rows, nthreads);
+        if (!rc)
+            rc = act_bf16 ? llmd_rope_store_bf16((uint16_t *)qkv, M, H, Hkv, D, cos, sin, slots, l->k_cache,
+                                                 l->v_cache, nthreads)
+                          : llmd_rope_store((float *)qkv, M, H, Hkv, D, cos, sin, slots, l->k_cache, l->v_cache,
+                                            nthreads);
+        if (rc) break;
+        const float *q = (const float *)qkv;
+        int64_t q_stride = (int64_t)qkv_row;
+        if (act_bf16) { /* as the layer's q.float(): the kernel reads float32 queries */
+            to_f32((const uint16_t *)qkv, q32, M, H * D, (int64_t)qkv_row);
+            q = q32, q_stride = H * D;
+        }
+        rc = llmd_paged_decode_attention(q, q_stride, l->k_cache, l->v_cache, act_bf16, tables, bt_stride, lens, attn,
+                                         M, H, Hkv, D, block_size, scale, nthreads);
+        if (rc) break;
+        if (act_bf16) to_bf16(attn, attn16, M * H * D);
+        rc = linear(&l->o, act_bf16, act_bf16 ? (const void *)attn16 : attn, hidden, M, q_bf16_min_rows, nthreads);
+        if (!rc)
+            rc = act_bf16 ? llmd_add_rms_norm_bf16(hidden, residual, l->post_norm, (uint16_t *)normed, residual, M, E,
+                                                   eps, nthreads)
+                          : llmd_add_rms_norm(hidden, residual, l->post_norm, (float *)normed, residual, M, E, eps,
+                                              nthreads);
+        if (!rc) rc = linear(&l->gate_up, act_bf16, normed, gate_up, M, q_bf16_min_rows, nthreads);
+        if (!rc)
+            rc = act_bf16 ? llmd_silu_mul_bf16((const uint16_t *)gate_up, (uint16_t *)act, M, I, nthreads)
+                          : llmd_silu_mul((const float *)gate_up, (float *)act, M, I, nthreads);
+        if (!rc) rc = linear(&l->down, act_bf16, act, hidden, M, q_bf16_min_rows, nthreads);
+    }
+done:
+    free(normed), free(qkv), free(gate_up), free(act), free(attn), free(q32), free(attn16);
+    return rc;
+}

@@ -1,0 +1,176 @@
+"""The native decode step (csrc/decode_step.c): a decode-only step's decoder layers in one ctypes call.
+
+The model side (engine/models/native_step.py) describes each layer's weights once; here they become the C
+structs, and `DecodeLayers.run` hands a step's buffers to the kernel. Everything the kernel checks is also
+checked here first, so a None from `run` (the caller then runs the Python layers) leaves no state half-updated."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+from dataclasses import dataclass
+
+import torch
+
+from llmdeploy.kernels import cpu_native
+
+ENV_SWITCH = "LLMDEPLOY_NATIVE_DECODE"  # =0: the Python layers at every step (the benchmarks' baseline)
+
+
+class LinearKind(enum.IntEnum):
+    """Which native kernel a projection's packed weight is for (LIN_* in decode_step.c)."""
+
+    F32 = 0  # llmd_f32_linear
+    BF16 = 1  # llmd_bf16_linear
+    Q = 2  # llmd_q_linear / llmd_q_bf16_linear (float layout, float32 activations)
+    QV = 3  # llmd_qv_linear (VNNI layout, float32 activations)
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    kind: LinearKind
+    weight: torch.Tensor  # packed for the kind's kernel
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+    fmt: int = 0  # QFormat for Q / QV
+
+
+@dataclass(frozen=True)
+class NativeLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: NativeLinear
+    o: NativeLinear
+    gate_up: NativeLinear
+    down: NativeLinear
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("fmt", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0" and cpu_native.library() is not None
+
+
+def _linear(lin: NativeLinear) -> _Linear:
+    bias = None if lin.bias is None else lin.bias.data_ptr()
+    return _Linear(int(lin.kind), lin.fmt, lin.weight.data_ptr(), bias, lin.out_features, lin.in_features)
+
+
+class DecodeLayers:
+    """One model's layers as the kernel's structs; the tensors are held so the pointers stay valid."""
+
+    def __init__(self, layers: list[NativeLayer], dims: Dims, dtype: torch.dtype):
+        self.layers, self.dims, self.dtype = layers, dims, dtype
+        self.structs = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    layer.in_norm.data_ptr(),
+                    layer.post_norm.data_ptr(),
+                    _linear(layer.qkv),
+                    _linear(layer.o),
+                    _linear(layer.gate_up),
+                    _linear(layer.down),
+                    layer.k_cache.data_ptr(),
+                    layer.v_cache.data_ptr(),
+                )
+                for layer in layers
+            )
+        )
+        self.block_size = layers[0].k_cache.shape[1]
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> bool:
+        """hidden, residual [M, E] updated in place through every layer; False (nothing changed) where the
+        kernel does not take these buffers."""
+        d, m = self.dims, hidden.shape[0]
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        if not (
+            hidden.dtype == residual.dtype == self.dtype
+            and hidden.is_contiguous()
+            and residual.is_contiguous()
+            and hidden.shape == residual.shape == (m, d.hidden)
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.numel() == sin.numel() == m * d.head_dim
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+            and slot_mapping.numel() == tables.shape[0] == lens.numel() == m
+        ):
+            return False
+        lib = cpu_native.library()
+        rc = lib.llmd_decode_layers(
+            int(self.dtype == torch.bfloat16),
+            len(self.layers),
+            ctypes.addressof(self.structs),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            m,
+            d.hidden,
+            d.heads,
+            d.kv_heads,
+            d.head_dim,
+            d.intermediate,
+            d.eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            lens.data_ptr(),
+            self.block_size,
+            d.scale,
+            cpu_native.Q_BF16_MIN_ROWS,
+            max(1, torch.get_num_threads()),
+        )
+        if rc in (-1, -3):  # shapes it does not take, or out of memory: nothing written
+            return False
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc})")
+        return True

@@ -1,0 +1,183 @@
+"""The native decode step (engine/models/native_step.py): a decode-only step's layers in one C call. It must give
+the Python layers' output exactly (same kernels, same buffers, same order), run only where every part applies, and
+leave everything untouched where it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmdeploy.engine.loader import load_model
+from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels.decode_step import DecodeLayers
+from tests.engine.paged_driver import PagedDriver
+from tests.helpers.tiny_models import make_tiny_model
+
+CASES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v bias
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen3": ("qwen3", {}),  # per-head q/k norm: not taken
+    "head-dim-8": ("llama", {"hidden_size": 48, "num_attention_heads": 6}),  # rotary kernel needs D % 16
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    made = {}
+
+    def build(case: str):
+        if case not in made:
+            arch, overrides = CASES[case]
+            made[case] = make_tiny_model(tmp_path_factory.mktemp(case), arch, **overrides)
+        return made[case]
+
+    return build
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Each DecodeLayers.run's answer (True: the native step ran)."""
+    answers: list[bool] = []
+    real = DecodeLayers.run
+
+    def spy(self, *args, **kwargs):
+        answers.append(real(self, *args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(DecodeLayers, "run", spy)
+    return answers
+
+
+def native_linear_for(dtype: str, quantization: str) -> bool:
+    """Whether this CPU's build runs every projection natively for the variant (else the step cannot apply)."""
+    if cpu_native.library() is None:
+        return False
+    if quantization != "none":
+        return True
+    return cpu_native.bf16_linear_available() if dtype == "bfloat16" else cpu_native.f32_linear_available()
+
+
+def decode_hidden(
+    lm, batch: int, native: bool | None, seed: int = 0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One decode step of `batch` sequences at scattered contexts over a random cache: (hidden, the caches).
+    native: force the native step on or off; None: as loaded."""
+    if native is not None:
+        lm.model.model.native_decode.off = not native
+    driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=batch, max_len=64)
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for layer in lm.model.attention_layers():
+        for cache in (layer.k_cache, layer.v_cache):
+            cache.copy_(torch.randn(cache.shape, generator=gen))
+            caches.append(cache)
+    seqs = []
+    for i in range(batch):
+        ctx = 3 + 7 * i % 50
+        seq = driver.new_seq([(5 * i + j) % 100 + 3 for j in range(ctx)])
+        seq.num_cached = ctx - 1
+        seqs.append(seq)
+    with torch.inference_mode():
+        hidden, _ = driver.forward([], seqs)
+    return hidden, [c.clone() for c in caches]
+
+
+@pytest.mark.parametrize(
+    "case,dtype,quantization",
+    [
+        ("llama", "float32", "none"),
+        ("qwen2", "float32", "none"),
+        ("llama-bias", "float32", "none"),
+        ("llama", "bfloat16", "none"),
+        ("qwen2", "bfloat16", "none"),
+        ("llama", "float32", "int8"),
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 3, 13])
+def test_native_step_equals_the_python_layers(model_dir, runs, case, dtype, quantization, batch):
+    torch.set_num_threads(2)  # the kernels split rows and channels by thread: both sides split the same way
+    lm = load_model(str(model_dir(case)), dtype=dtype, quantization=quantization)
+    ref_hidden, ref_caches = decode_hidden(lm, batch, native=False)
+    assert runs == []
+    hidden, caches = decode_hidden(lm, batch, native=True)
+    # where this build cannot run every projection natively, the step is declined (or never asked)
+    assert (runs == [True]) == native_linear_for(dtype, quantization)
+    assert torch.equal(hidden, ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+@pytest.mark.parametrize("case", ["qwen3", "head-dim-8"])
+def test_declines_what_it_does_not_take_and_matches_anyway(model_dir, runs, case):
+    """q/k norm: never built; head_dim 8: the kernel refuses its shapes before writing anything."""
+    lm = load_model(str(model_dir(case)), dtype="float32")
+    ref_hidden, ref_caches = decode_hidden(lm, 3, native=False)
+    hidden, caches = decode_hidden(lm, 3, native=True)
+    assert True not in runs
+    if case == "qwen3":
+        assert runs == [] and lm.model.model.native_decode.layers is None
+    assert torch.equal(hidden, ref_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+def test_only_decode_only_steps_and_not_when_compiled(model_dir, runs):
+    lm = load_model(str(model_dir("llama")), dtype="float32")
+    driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=3, max_len=64)
+    a, b = driver.new_seq(list(range(3, 20))), driver.new_seq(list(range(30, 40)))
+    with torch.inference_mode():
+        driver.step([(a, 17)], [])  # prefill only
+        b.num_cached = 9
+        driver.step([], [b])  # decode only
+        a.tokens.append(7)
+        b.tokens.append(8)
+        driver.step([], [a, b])  # decode only
+        c = driver.new_seq(list(range(50, 60)))
+        a.tokens.append(9)
+        driver.step([(c, 10)], [a])  # mixed: prefill chunk + decode
+    if native_linear_for(
+        "float32", "none"
+    ):  # the two decode-only steps ran it; the prefill and mixed ones not
+        assert runs == [True, True]
+    else:
+        assert True not in runs
+    asked = len(runs)
+    lm.model.model.native_decode.disable()  # what compile_layers does
+    decode_hidden(lm, 2, native=None)
+    assert len(runs) == asked
+
+
+def test_rebuilt_when_the_kv_cache_moves(model_dir, runs):
+    """A new cache (the runner's after its warm-up) gets new pointers; the old ones must not be written."""
+    lm = load_model(str(model_dir("llama")), dtype="float32")
+    first, _ = decode_hidden(lm, 2, native=True, seed=1)
+    old = lm.model.attention_layers()[0].k_cache
+    old_copy = old.clone()
+    second, _ = decode_hidden(lm, 2, native=True, seed=1)  # a new PagedDriver: fresh caches
+    assert torch.equal(old, old_copy)
+    assert torch.equal(first, second)
+
+
+def test_the_switch_turns_it_off(model_dir, runs, monkeypatch):
+    monkeypatch.setenv("LLMDEPLOY_NATIVE_DECODE", "0")
+    lm = load_model(str(model_dir("llama")), dtype="float32")
+    assert lm.model.model.native_decode.off
+    decode_hidden(lm, 2, native=None)
+    assert runs == []
+
+
+def test_greedy_output_still_matches_transformers(model_dir):
+    """fp32 greedy tokens through the engine's decode steps (native where it applies) = transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    folder = model_dir("qwen2")
+    lm = load_model(str(folder), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [[3, 17, 42, 9, 88], [5, 6], list(range(10, 40))]
+    driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=3, max_len=64)
+    with torch.inference_mode():
+        ours = driver.generate_greedy(prompts, 12)
+    for ids, got in zip(prompts, ours, strict=True):
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        ref = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert got == ref[0, len(ids) :].tolist()
