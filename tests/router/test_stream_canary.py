@@ -141,7 +141,8 @@ def test_stream_ttft_reaches_the_window(fakes, start_router):
         for _ in range(3):
             sse_events(c.post("/v1/chat/completions", json=chat_body(stream=True)))
     w = rs.router.revision_window(1)
-    assert w.requests == 3 and w.errors == 0 and w.ttft_p99_ms >= 200
+    # asyncio may wake a sleep up to its clock resolution early, hence 190 for a 200 ms delay
+    assert w.requests == 3 and w.errors == 0 and w.ttft_p99_ms >= 190
 
 
 def test_hot_reload_swaps_keys_and_limits_without_dropping_streams(fakes, start_router):
@@ -214,8 +215,9 @@ def test_auto_rollback_window_ignores_spilled_requests_and_judges_both_kinds(fak
                 assert r.headers["x-llmdeploy-revision"] == "2"
                 if not stream:  # judged by its TTFT already, before any stream came
                     ttft = rs.router.revision_window(2).ttft_p99_ms
-                    assert ttft is not None and ttft >= 250
+                    # asyncio may wake a sleep up to its clock resolution early: 249.9 ms has been seen
+                    assert ttft is not None and ttft >= 240
         w = rs.router.revision_window(2)
-        assert w.requests == 4 and w.errors == 0 and w.ttft_p99_ms is not None and w.ttft_p99_ms >= 250
+        assert w.requests == 4 and w.errors == 0 and w.ttft_p99_ms is not None and w.ttft_p99_ms >= 240
     finally:
         canary.stop()
