@@ -15,6 +15,7 @@ import torch
 from llmdeploy.engine.guided import apply_logit_rules, needs_logit_rules
 from llmdeploy.engine.outputs import TokenLogprob
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.kernels import cpu_native
 
 
 class Sampler:
@@ -42,7 +43,8 @@ class Sampler:
         )
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         if plain and not want_logprobs:  # fast path: no copies, no sort
-            return logits.argmax(-1).tolist(), [None] * len(seqs)
+            tokens = cpu_native.argmax_rows(logits)
+            return tokens if tokens is not None else logits.argmax(-1).tolist(), [None] * len(seqs)
         raw = logits
         logits = logits.clone()
         self._apply_penalties(logits, seqs)

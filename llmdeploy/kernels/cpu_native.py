@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_kernels.c", "prefill_attention.c", "decode_step.c")
+    for name in ("cpu_kernels.c", "prefill_attention.c", "decode_step.c", "argmax.c")
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -92,21 +92,12 @@ SIGNATURES = {
     "llmd_add_rms_norm_bf16": NORM_ARGS,
     "llmd_silu_mul": [c_ptr, c_ptr, c_int64, c_int64, c_int],
     "llmd_silu_mul_bf16": [c_ptr, c_ptr, c_int64, c_int64, c_int],
-    # decode_step.c: act_bf16, n_layers, layers, hidden, residual, M, E, H, Hkv, D, I, eps, cos, sin, slots,
-    # tables, bt_stride, lens, block_size, scale, q_bf16_min_rows, nthreads
-    "llmd_decode_layers": [
-        c_int,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        *[c_int64] * 6,
-        c_float,
-        *[c_ptr] * 4,
-        c_int64,
-    ]
-    + [c_ptr, c_int64, c_float, c_int64, c_int],
+    # decode_step.c: act_bf16, n_layers, layers, final_norm, hidden, residual, M, E, H, Hkv, D, I, eps,
+    # positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale, q_bf16_min_rows, nthreads
+    "llmd_decode_layers": [c_int, c_int64, *[c_ptr] * 4, *[c_int64] * 6, c_float, c_ptr, c_ptr, c_int64]
+    + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     "llmd_rope_store": ROPE_ARGS,
+    "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,
 }
 
@@ -569,6 +560,27 @@ def add_rms_norm(
         _threads(),
     )
     return (out, summed) if rc == 0 else None
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """logits.argmax(-1).tolist() for float32 [rows, n] on CPU (first index of the largest; NaN largest), or None
+    where it does not apply."""
+    if (
+        logits.dim() != 2
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = logits.shape[0]
+    out = (ctypes.c_int64 * rows)()
+    rc = lib.llmd_argmax_rows(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), out, _threads())
+    return list(out) if rc == 0 else None
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

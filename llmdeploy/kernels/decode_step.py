@@ -96,8 +96,8 @@ def _linear(lin: NativeLinear) -> _Linear:
 class DecodeLayers:
     """One model's layers as the kernel's structs; the tensors are held so the pointers stay valid."""
 
-    def __init__(self, layers: list[NativeLayer], dims: Dims, dtype: torch.dtype):
-        self.layers, self.dims, self.dtype = layers, dims, dtype
+    def __init__(self, layers: list[NativeLayer], dims: Dims, dtype: torch.dtype, final_norm: torch.Tensor):
+        self.layers, self.dims, self.dtype, self.final_norm = layers, dims, dtype, final_norm
         self.structs = (_Layer * len(layers))(
             *(
                 _Layer(
@@ -119,14 +119,15 @@ class DecodeLayers:
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> bool:
-        """hidden, residual [M, E] updated in place through every layer; False (nothing changed) where the
-        kernel does not take these buffers."""
+        """Every layer, then the final norm: hidden [M, E] becomes the model's output (residual is scratch).
+        positions [M] index the model's rotary cache cos_sin [max_pos, head_dim] (float32). False (nothing
+        changed) where the kernel does not take these buffers."""
         d, m = self.dims, hidden.shape[0]
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
@@ -135,11 +136,13 @@ class DecodeLayers:
             and hidden.is_contiguous()
             and residual.is_contiguous()
             and hidden.shape == residual.shape == (m, d.hidden)
-            and cos.dtype == sin.dtype == torch.float32
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-            and cos.numel() == sin.numel() == m * d.head_dim
-            and slot_mapping.dtype == torch.int64
+            and positions.dtype == slot_mapping.dtype == torch.int64
+            and positions.is_contiguous()
+            and positions.numel() == m
+            and cos_sin.dtype == torch.float32
+            and cos_sin.is_contiguous()
+            and cos_sin.dim() == 2
+            and cos_sin.shape[1] == d.head_dim
             and slot_mapping.is_contiguous()
             and slot_mapping.numel() == tables.shape[0] == lens.numel() == m
         ):
@@ -149,6 +152,7 @@ class DecodeLayers:
             int(self.dtype == torch.bfloat16),
             len(self.layers),
             ctypes.addressof(self.structs),
+            self.final_norm.data_ptr(),
             hidden.data_ptr(),
             residual.data_ptr(),
             m,
@@ -158,8 +162,9 @@ class DecodeLayers:
             d.head_dim,
             d.intermediate,
             d.eps,
-            cos.data_ptr(),
-            sin.data_ptr(),
+            positions.data_ptr(),
+            cos_sin.data_ptr(),
+            cos_sin.shape[0],
             slot_mapping.data_ptr(),
             tables.data_ptr(),
             tables.stride(0),

@@ -181,3 +181,40 @@ def test_greedy_output_still_matches_transformers(model_dir):
         mask = torch.ones(1, len(ids), dtype=torch.long)
         ref = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=12, do_sample=False)
         assert got == ref[0, len(ids) :].tolist()
+
+
+def test_a_position_past_the_rotary_cache_is_declined_before_anything_is_written(model_dir):
+    lm = load_model(str(model_dir("llama")), dtype="float32")
+    decode_hidden(lm, 2, native=True)  # builds the native layers over that driver's cache
+    layers = lm.model.model.native_decode.layers
+    assert (layers is not None) == native_linear_for("float32", "none")
+    if layers is None:
+        return
+    cos_sin = lm.model.cos_sin_cache
+    hidden = torch.randn(1, layers.dims.hidden)
+    residual = torch.randn(1, layers.dims.hidden)
+    before = [hidden.clone(), residual.clone(), *(t.clone() for t in (layers.layers[0].k_cache,))]
+    for pos in (cos_sin.shape[0], -1):
+        ran = layers.run(
+            hidden,
+            residual,
+            torch.tensor([pos]),
+            cos_sin,
+            torch.tensor([5]),
+            torch.zeros(1, 4, dtype=torch.int32),
+            torch.tensor([6], dtype=torch.int32),
+        )
+        assert not ran
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(before, [hidden, residual, layers.layers[0].k_cache], strict=True)
+        )
+    assert layers.run(
+        hidden,
+        residual,
+        torch.tensor([cos_sin.shape[0] - 1]),
+        cos_sin,
+        torch.tensor([5]),
+        torch.zeros(1, 4, dtype=torch.int32),
+        torch.tensor([6], dtype=torch.int32),
+    )

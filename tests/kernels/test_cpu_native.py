@@ -300,3 +300,44 @@ def test_rope_and_store_matches_torch(tokens, dtype):
     torch.testing.assert_close(flat_k[slots[stored]], expect_k[stored])
     torch.testing.assert_close(flat_v[slots[stored]], expect_v[stored])
     assert int((flat_k != 0).any(-1).any(-1).sum()) == int(stored.sum())
+
+
+def argmax_cases() -> list[torch.Tensor]:
+    """Logit rows where argmax's rules matter: ties (the first wins), NaN (wins, the first one), -inf, +inf,
+    row lengths around the 16-lane chunks, and a winner in the tail past the last whole chunk."""
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(37, 49152, generator=g)
+    ties = torch.zeros(3, 100)
+    ties[0, [7, 40, 99]] = 1.0  # several equal maxima, in different lanes and chunks
+    ties[1, [33, 17]] = 2.0  # the later chunk's lane first in index order
+    nans = torch.randn(6, 70, generator=g)
+    nans[0, 3] = float("nan")  # in the first chunk
+    nans[1, [50, 20]] = float("nan")  # two: the first wins
+    nans[2, 66] = float("nan")  # in the tail
+    nans[3, :] = float("nan")
+    nans[4, 10] = float("inf")
+    nans[4, 60] = float("nan")  # NaN beats +inf
+    nans[5, :] = float("-inf")
+    tail = torch.full((2, 35), -1.0)
+    tail[0, 34] = 5.0
+    tail[1, [31, 33]] = 5.0
+    short = torch.randn(4, 5, generator=g)
+    return [rand, ties, nans, tail, short, torch.tensor([[-0.0, 0.0, -0.0]]), rand[:5, 3:1003]]
+
+
+def test_argmax_rows_answers_as_torch_does():
+    for logits in argmax_cases():
+        assert cpu_native.argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert cpu_native.argmax_rows(torch.zeros(0, 8)) == []
+    assert cpu_native.argmax_rows(torch.zeros(2, 8).t()) is None  # columns not contiguous
+    assert cpu_native.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16)) is None
+    assert (
+        cpu_native.argmax_rows(torch.zeros(8)) is None and cpu_native.argmax_rows(torch.zeros(2, 0)) is None
+    )
+
+
+def test_argmax_rows_portable_build_agrees(tmp_path, monkeypatch):
+    flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
+    monkeypatch.setattr(cpu_native, "library", lambda: cpu_native.load(cpu_native.build(flags, tmp_path)))
+    for logits in argmax_cases():
+        assert cpu_native.argmax_rows(logits) == logits.argmax(-1).tolist()

@@ -194,13 +194,14 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        ops = self.layers[0].self_attn.ops
-        rope = ops.rotary_tables(positions, cos_sin) if hasattr(ops, "apply_rotary") else cos_sin
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)  # x + 0 == x: every layer then has the same (compilable) form
-        if not self.native_decode.run(self, hidden, residual, rope, meta):
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual, rope, meta)
+        if self.native_decode.run(self, hidden, residual, positions, cos_sin, meta):
+            return hidden  # every layer and the final norm in one native call
+        ops = self.layers[0].self_attn.ops
+        rope = ops.rotary_tables(positions, cos_sin) if hasattr(ops, "apply_rotary") else cos_sin
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, rope, meta)
         return self.norm(hidden, residual)[0]
 
 

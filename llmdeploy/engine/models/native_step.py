@@ -77,24 +77,36 @@ class NativeDecode:
             eps=model.layers[0].input_layernorm.eps,
             scale=attn.attn.scale,
         )
+        final = model.norm
+        rotary = (
+            getattr(attn.ops, "apply_rotary", None) is not None
+        )  # the torch backend's tables, not Triton's
+        if (
+            not rotary
+            or final.eps != dims.eps
+            or final.weight.dtype != dtype
+            or not final.weight.is_contiguous()
+        ):
+            return None
         self.max_rows = _max_rows(model)
-        return DecodeLayers(layers, dims, dtype)
+        return DecodeLayers(layers, dims, dtype, final.weight.detach())
 
     def run(
         self,
         model: LlamaModel,
         hidden: torch.Tensor,
         residual: torch.Tensor,
-        rope: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> bool:
-        """Every layer over a decode-only step, hidden and residual updated in place; False: not run."""
+        """Every layer and the final norm over a decode-only step: hidden becomes the model's output (residual
+        is overwritten); False: not run, nothing changed."""
         rows = hidden.shape[0]
         if (
             self.off
             or meta.num_prefill_tokens
             or meta.num_decode_tokens != rows
-            or isinstance(rope, torch.Tensor)
             or hidden.device.type != "cpu"
             or torch.compiler.is_compiling()
         ):
@@ -102,12 +114,11 @@ class NativeDecode:
         layers = self._layers(model, hidden.dtype)
         if layers is None or (self.max_rows is not None and rows > self.max_rows):
             return False
-        cos, sin = rope
         return layers.run(
             hidden,
             residual,
-            cos,
-            sin,
+            positions,
+            cos_sin,
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,

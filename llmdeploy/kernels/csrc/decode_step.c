@@ -119,17 +119,34 @@ static void to_bf16(const float *src, uint16_t *dst, int64_t n) { /* never reach
 }
 #endif
 
-/* hidden, residual: [M, E] of the activations' dtype, updated in place to what the last layer returns (the model's
- * final norm is the caller's). cos, sin: [M, D] float32 (reference.rotary_tables); slots: [M] int64; tables:
- * [M, bt_stride] int32; lens: [M] int32 (context length with this token). Returns 0, -1 (shapes the kernels do not
- * take: nothing written), -3 (out of memory: nothing written), or the failing kernel's code (cannot happen for
- * shapes that passed the check). */
-int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, void *hidden, void *residual,
-                       int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
-                       const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
-                       int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
-                       int64_t q_bf16_min_rows, int nthreads) {
+/* The rotary tables of reference.rotary_tables for each row's position: cos_sin rows are [cos | sin] (half width
+ * each); cos = cos | cos, sin = -sin | sin (negation is exact: the Python layers' values). */
+static void rotary_tables(const int64_t *positions, const float *cos_sin, int64_t M, int64_t D, float *cos_out,
+                          float *sin_out) {
+    const int64_t half = D / 2;
+    for (int64_t n = 0; n < M; n++) {
+        const float *c = cos_sin + positions[n] * D, *s = c + half;
+        for (int64_t d = 0; d < half; d++) {
+            cos_out[n * D + d] = cos_out[n * D + half + d] = c[d];
+            sin_out[n * D + d] = -s[d], sin_out[n * D + half + d] = s[d];
+        }
+    }
+}
+
+/* hidden, residual: [M, E] of the activations' dtype, updated in place to what the last layer returns; where
+ * final_norm is given, hidden then holds the model's final add + RMSNorm of the two (the model's output).
+ * positions: [M] int64, each in [0, max_pos); cos_sin: [max_pos, D] float32 (the model's rotary cache); slots: [M]
+ * int64; tables: [M, bt_stride] int32; lens: [M] int32 (context length with this token). Returns 0, -1 (shapes
+ * or positions the kernels do not take: nothing written), -3 (out of memory: nothing written), or the failing
+ * kernel's code (cannot happen for shapes that passed the check). */
+int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, void *hidden,
+                       void *residual, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
+                       const int64_t *positions, const float *cos_sin, int64_t max_pos, const int64_t *slots,
+                       const int32_t *tables, int64_t bt_stride, const int32_t *lens, int64_t block_size,
+                       float scale, int64_t q_bf16_min_rows, int nthreads) {
     if (M < 1 || n_layers < 1 || nthreads < 1 || !shapes_fit(act_bf16, n_layers, L, E, H, Hkv, D, I)) return -1;
+    for (int64_t n = 0; n < M; n++)
+        if (positions[n] < 0 || positions[n] >= max_pos) return -1;
 #if !defined(__AVX512BF16__)
     if (act_bf16) return -1;
 #endif
@@ -139,8 +156,11 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, void
     float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
     float *q32 = act_bf16 ? malloc(sizeof(float) * (size_t)(M * H * D)) : NULL;
     uint16_t *attn16 = act_bf16 ? malloc(2 * (size_t)(M * H * D)) : NULL;
+    float *rot = malloc(2 * sizeof(float) * (size_t)(M * D)); /* this step's cos rows, then its sin rows */
     int rc = -3;
-    if (!normed || !qkv || !gate_up || !act || !attn || (act_bf16 && (!q32 || !attn16))) goto done;
+    if (!normed || !qkv || !gate_up || !act || !attn || !rot || (act_bf16 && (!q32 || !attn16))) goto done;
+    const float *cos = rot, *sin = rot + M * D;
+    rotary_tables(positions, cos_sin, M, D, rot, rot + M * D);
     rc = 0;
     for (int64_t i = 0; i < n_layers && rc == 0; i++) {
         const llmd_layer *l = L + i;
@@ -177,7 +197,10 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, void
                           : llmd_silu_mul((const float *)gate_up, (float *)act, M, I, nthreads);
         if (!rc) rc = linear(&l->down, act_bf16, act, hidden, M, q_bf16_min_rows, nthreads);
     }
+    if (!rc && final_norm) /* as the model's norm(hidden, residual)[0], written over hidden */
+        rc = act_bf16 ? llmd_add_rms_norm_bf16(hidden, residual, final_norm, hidden, residual, M, E, eps, nthreads)
+                      : llmd_add_rms_norm(hidden, residual, final_norm, hidden, residual, M, E, eps, nthreads);
 done:
-    free(normed), free(qkv), free(gate_up), free(act), free(attn), free(q32), free(attn16);
+    free(normed), free(qkv), free(gate_up), free(act), free(attn), free(q32), free(attn16), free(rot);
     return rc;
 }
