@@ -294,8 +294,11 @@ def floors(shape: ModelShape, c: Ceilings, dtype: str, w: Workload = Workload())
     }
 
 
-def shares(shape: ModelShape, c: Ceilings, dtype: str, w_tok_s=None, b1_ms=None, ttft_s=None) -> list[str]:
-    """Each measured engine figure next to its ceiling, as lines to print."""
+def shares(
+    shape: ModelShape, c: Ceilings, dtype: str, w_tok_s=None, b1_ms=None, ttft_s=None, b1_read_gbps=None
+) -> list[str]:
+    """Each measured engine figure next to its ceiling, as lines to print. b1_read_gbps: the read bandwidth
+    measured beside the batch-1 runs (a shared host's bandwidth moves by a third from minute to minute)."""
     f = floors(shape, c, dtype)
     lines = []
     if w_tok_s:
@@ -309,6 +312,12 @@ def shares(shape: ModelShape, c: Ceilings, dtype: str, w_tok_s=None, b1_ms=None,
             f"batch-1 decode {dtype}: {b1_ms:.1f} ms/token = {b1_ms / f['decode_b1_floor_ms']:.2f}x the "
             f"bandwidth floor {f['decode_b1_floor_ms']:.1f} ms ({shape.weight_bytes(dtype) / 1e6:.0f} MB of "
             f"weights at {c.read_gbps:.1f} GB/s)"
+        )
+    if b1_ms and b1_read_gbps:
+        beside = shape.weight_bytes(dtype) / (b1_read_gbps * 1e9) * 1e3
+        lines.append(
+            f"batch-1 decode {dtype}: {b1_ms / beside:.2f}x the floor at the bandwidth measured beside its runs "
+            f"({b1_read_gbps:.1f} GB/s: {beside:.1f} ms)"
         )
     if ttft_s:
         lines.append(

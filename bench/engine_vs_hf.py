@@ -149,13 +149,16 @@ def engine_run(llm: LLM, prompts: list[list[int]], repeat: int, w: Workload) -> 
 
 
 def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
-    """TTFT of one 128-token prompt on an idle engine, and its decode ms/token (median inter-token gap)."""
-    engine, ttft, itl = llm.engine, [], []
+    """TTFT of one 128-token prompt on an idle engine, and its decode ms/token (median inter-token gap). Before
+    each run the read bandwidth is sampled again (the floor of that moment: a shared host's moves a lot)."""
+    engine, ttft, itl, gbps = llm.engine, [], [], []
     engine.stream = True
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for i in range(reps + 1):  # the first run is a warm-up
         # a new first token: no prefix-cache help
         ids = [(prompt[0] + 1 + i) % engine.arch.vocab_size] + prompt[1:]
+        if i:
+            gbps.append(ceilings.read_bandwidth_gbps(256, 0.25))
         t0 = time.perf_counter()
         engine.add_request(f"latency-{i}", ids, params)
         stamps = []
@@ -166,7 +169,11 @@ def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
             ttft.append(stamps[0] - t0)
             itl.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)))
     engine.stream = False
-    return {"ttft_128_s": statistics.median(ttft), "decode_ms_per_token_b1": 1000 * statistics.median(itl)}
+    return {
+        "ttft_128_s": statistics.median(ttft),
+        "decode_ms_per_token_b1": 1000 * statistics.median(itl),
+        "read_gbps_beside_b1": statistics.median(gbps),
+    }
 
 
 def agreement(a: list[list[int]], b: list[list[int]], n: int = 16) -> float:
@@ -332,6 +339,7 @@ def print_shares(res: dict, shape, ceil, variants) -> None:
             w_tok_s=res.get(f"c_engine_{v.label}", {}).get("tok_s"),
             b1_ms=lat.get("decode_ms_per_token_b1"),
             ttft_s=lat.get("ttft_128_s"),
+            b1_read_gbps=lat.get("read_gbps_beside_b1"),
         )
         for line in lines:
             print(f"  [{v.label}] {line}")
