@@ -50,28 +50,43 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class _Sums:
-    """Weighted sufficient statistics X'WX and X'Wy of x = [1, p, d]."""
+    """Weighted sufficient statistics X'WX and X'Wy of x = [1, p, d] (X'WX symmetric: six sums). Plain floats:
+    the engine updates them every step, on caches the step's weights have just evicted."""
+
+    __slots__ = ("w", "p", "d", "pp", "pd", "dd", "y", "py", "dy")
 
     def __init__(self) -> None:
-        self.xx = [[0.0] * 3 for _ in range(3)]
-        self.xy = [0.0] * 3
+        self.w = self.p = self.d = self.pp = self.pd = self.dd = self.y = self.py = self.dy = 0.0
 
     def add(self, p: float, d: float, y: float, w: float) -> None:
-        x = (1.0, p, d)
-        for i in range(3):
-            self.xy[i] += w * x[i] * y
-            for j in range(3):
-                self.xx[i][j] += w * x[i] * x[j]
+        wp, wd = w * p, w * d
+        self.w += w
+        self.p += wp
+        self.d += wd
+        self.pp += wp * p
+        self.pd += wp * d
+        self.dd += wd * d
+        self.y += w * y
+        self.py += wp * y
+        self.dy += wd * y
 
     def __add__(self, other: _Sums) -> _Sums:
         out = _Sums()
-        out.xy = [a + b for a, b in zip(self.xy, other.xy, strict=True)]
-        out.xx = [[a + b for a, b in zip(r, q, strict=True)] for r, q in zip(self.xx, other.xx, strict=True)]
+        for name in _Sums.__slots__:
+            setattr(out, name, getattr(self, name) + getattr(other, name))
         return out
 
     def scale(self, f: float) -> None:
-        self.xy = [v * f for v in self.xy]
-        self.xx = [[v * f for v in row] for row in self.xx]
+        for name in _Sums.__slots__:
+            setattr(self, name, getattr(self, name) * f)
+
+    @property
+    def xx(self) -> list[list[float]]:
+        return [[self.w, self.p, self.d], [self.p, self.pp, self.pd], [self.d, self.pd, self.dd]]
+
+    @property
+    def xy(self) -> list[float]:
+        return [self.y, self.py, self.dy]
 
 
 def fit_points(points: list[CostPoint], attn_cost_context: float | None = None) -> StepCost:
@@ -94,9 +109,10 @@ def _coefficients(
 def _nonnegative_fit(sums: _Sums) -> list[float] | None:
     """Least squares with every coefficient >= 0: a negative one is noise in a fit without spread, so it is
     pinned at zero and the rest refitted (an active-set pass over three unknowns)."""
-    free = [i for i in range(3) if sums.xx[i][i] > 0]  # a feature never seen (no decodes yet) stays at zero
+    xx, xy = sums.xx, sums.xy
+    free = [i for i in range(3) if xx[i][i] > 0]  # a feature never seen (no decodes yet) stays at zero
     while free:
-        sol = _solve([[sums.xx[i][j] for j in free] for i in free], [sums.xy[i] for i in free])
+        sol = _solve([[xx[i][j] for j in free] for i in free], [xy[i] for i in free])
         if sol is None or any(not math.isfinite(v) for v in sol):
             return None
         if min(sol) >= 0:
