@@ -17,14 +17,11 @@ from pathlib import Path
 
 import torch
 
+from llmdeploy.policies.dtype_auto import MIN_SPEEDUP, ROWS
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matmul instructions
-# bf16 changes greedy output, so it has to pay clearly, at one row (bandwidth-bound decode) and at a batch's rows
-# alike: SmolLM2's projections measured 1.8-2x at both on Zen 4, while a tiny test model's measured 1.17x once and
-# under 1x other times (timing noise on microsecond calls)
-MIN_SPEEDUP = 1.3
 # a float32 projection faster than this at ROWS[-1] is call overhead, not a matmul to choose by
 MIN_TIMED_S = 50e-6
-ROWS = (1, 32)  # a decode step of one sequence, and of a batch
 # float32 weights cycled through per timing: more than a core's share of a server L3, so one row streams them from
 # memory as decode does (a single cache-resident matrix made one row look compute-bound)
 STACK_BYTES = 64 << 20

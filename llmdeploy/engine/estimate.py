@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmdeploy.policies import dtype_auto
 from llmdeploy.spec.model_shape import ModelShape, ModelShapeError, read_model_shape
 from llmdeploy.spec.models import DeploymentSpec
 from llmdeploy.spec.sources import ModelSourceError, resolve_model_source
@@ -63,7 +64,7 @@ def estimate(
             notes.append("dtype auto on this CPU: float32 (no native bf16 matmuls: avx512_bf16 or amx_bf16)")
         elif device == "cpu":
             notes.append(
-                f"dtype auto on this CPU ({cpu_bf16}): bfloat16 if the engine measures it at least 1.15x faster"
+                f"dtype auto on this CPU ({cpu_bf16}): bfloat16 if the engine measures it {dtype_auto.describe()}"
                 " at start, else float32; counted as float32 here (bfloat16 halves weights and KV)"
             )
     dtype_bytes = DTYPE_BYTES[dtype]

@@ -98,6 +98,15 @@ def test_auto_dtype_on_cpu_counts_float32_and_says_so():
     assert any("float32" in n for n in est.notes)
 
 
+def test_auto_dtype_on_a_bf16_cpu_states_the_engine_s_own_threshold():
+    from llmdeploy.policies import dtype_auto
+
+    est = estimate(DeploymentSpec(), shape(), "cpu", cpu_bf16="avx512_bf16")
+    assert est.dtype == "float32"
+    note = next(n for n in est.notes if "dtype auto" in n)
+    assert f"{dtype_auto.MIN_SPEEDUP:g}x" in note and "avx512_bf16" in note
+
+
 def test_cuda_budget_is_utilisation_minus_weights():
     spec = DeploymentSpec.model_validate({"engine": {"gpu_memory_utilization": 0.5}})
     est = estimate(spec, shape(num_params=10**9), "cuda", gpu_total_bytes=80 * GiB)
