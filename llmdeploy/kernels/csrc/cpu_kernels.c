@@ -796,6 +796,16 @@ int llmd_add_rms_norm(const float *x, const float *residual, const float *w, flo
     return 0;
 }
 
+/* gate / (1 + exp(-gate)), the division in scalar float32 as torch's silu rounds it */
+static inline v8 v8_silu(v8 gv) {
+    const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
+    float tmp[8], gs[8], es[8];
+    v8_store(gs, gv);
+    v8_store(es, e);
+    for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
+    return v8_load(tmp);
+}
+
 /* x: rows of [gate | up] (2 * inter floats) -> out rows of inter floats: gate / (1 + exp(-gate)) * up */
 int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int nthreads) {
     if (inter % 8) return -1;
@@ -803,15 +813,7 @@ int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int n
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
-        for (int64_t d = 0; d < inter; d += 8) {
-            const v8 gv = v8_load(g + d);
-            const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
-            float tmp[8], gs[8], es[8];
-            v8_store(gs, gv);
-            v8_store(es, e);
-            for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
-            v8_store(o + d, v8_mul(v8_load(tmp), v8_load(u + d)));
-        }
+        for (int64_t d = 0; d < inter; d += 8) v8_store(o + d, v8_mul(v8_silu(v8_load(g + d)), v8_load(u + d)));
     }
     return 0;
 }
@@ -889,15 +891,8 @@ int llmd_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t i
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * inter, *u = g + inter;
         uint16_t *o = out + r * inter;
-        for (int64_t d = 0; d < inter; d += 8) {
-            const v8 gv = v8_load_bf16(g + d);
-            const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
-            float tmp[8], gs[8], es[8];
-            v8_store(gs, gv);
-            v8_store(es, e);
-            for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
-            v8_store_bf16(o + d, v8_mul(v8_round_bf16(v8_load(tmp)), v8_load_bf16(u + d)));
-        }
+        for (int64_t d = 0; d < inter; d += 8)
+            v8_store_bf16(o + d, v8_mul(v8_round_bf16(v8_silu(v8_load_bf16(g + d))), v8_load_bf16(u + d)));
     }
     return 0;
 }
