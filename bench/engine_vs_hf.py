@@ -172,7 +172,8 @@ def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
     return {
         "ttft_128_s": statistics.median(ttft),
         "decode_ms_per_token_b1": 1000 * statistics.median(itl),
-        "read_gbps_beside_b1": statistics.median(gbps),
+        "decode_ms_b1_runs": [1000 * x for x in itl],
+        "read_gbps_b1_runs": gbps,  # sampled just before each run
     }
 
 
@@ -339,7 +340,9 @@ def print_shares(res: dict, shape, ceil, variants) -> None:
             w_tok_s=res.get(f"c_engine_{v.label}", {}).get("tok_s"),
             b1_ms=lat.get("decode_ms_per_token_b1"),
             ttft_s=lat.get("ttft_128_s"),
-            b1_read_gbps=lat.get("read_gbps_beside_b1"),
+            b1_runs=list(
+                zip(lat.get("decode_ms_b1_runs", []), lat.get("read_gbps_b1_runs", []), strict=True)
+            ),
         )
         for line in lines:
             print(f"  [{v.label}] {line}")
