@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import time
 
 import numpy as np
@@ -31,6 +32,7 @@ from llmdeploy.engine.parallel.shard import Shard
 from llmdeploy.engine.resources import host_memory_available
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.kernels.huge_pages import huge_zeros
 from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
@@ -66,14 +68,12 @@ def release_openmp_workers() -> bool:
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, but on CPU from calloc (numpy): the kernel hands out zero pages as they are first touched, so
-    a large cache costs nothing at start (torch.zeros wrote 1 GiB in 0.17 s) and only its used part is resident."""
+    """torch.zeros, but on CPU from a fresh anonymous mapping (huge_zeros): zero pages are handed out as they are
+    first touched, so a large cache costs nothing at start (torch.zeros wrote 1 GiB in 0.17 s), only its used part
+    is resident, and attention's reads of it walk huge pages where the kernel gives them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    buf = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -buf.ctypes.data % 64  # cache-line aligned, as torch's own allocations are
-    return torch.from_numpy(buf[start : start + nbytes]).view(dtype).view(shape)
+    return huge_zeros(math.prod(shape), dtype).view(shape)
 
 
 def allocate_kv_cache(

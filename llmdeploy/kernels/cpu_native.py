@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llmdeploy.kernels.huge_pages import huge_empty
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
@@ -357,7 +359,7 @@ def q_pack(
     vnni = q_vnni_available() if vnni is None else vnni
     q, d = q.contiguous(), d.contiguous()
     m = m.contiguous() if m is not None else None
-    data = torch.empty(q_packed_bytes(fmt, n, k), dtype=torch.uint8)
+    data = huge_empty(q_packed_bytes(fmt, n, k), torch.uint8)
     rc = lib.llmd_q_pack(int(fmt), int(vnni), q.data_ptr(), d.data_ptr(), _ptr(m), n, k, data.data_ptr())
     return QPacked(data, fmt, vnni, n, k) if rc == 0 else None
 
@@ -433,7 +435,7 @@ def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     n, k = weight.shape
     w = weight.detach().contiguous()
-    packed = torch.empty(-(-n // F32_TILE) * F32_TILE * k)
+    packed = huge_empty(-(-n // F32_TILE) * F32_TILE * k, torch.float32)
     return packed if library().llmd_f32_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
 
 
@@ -489,7 +491,7 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     n, k = weight.shape
     w = weight.detach().contiguous()
-    packed = torch.empty(-(-n // F32_TILE) * F32_TILE * k, dtype=torch.bfloat16)
+    packed = huge_empty(-(-n // F32_TILE) * F32_TILE * k, torch.bfloat16)
     return packed if library().llmd_bf16_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
 
 
