@@ -36,7 +36,9 @@ def mapping_fields(ptr: int) -> dict[str, str]:
 
 
 def test_tensors_are_aligned_disjoint_writable_and_outlive_their_arena():
-    tensors = [huge_empty(n, dt) for n, dt in [(1000, torch.bfloat16), (7, torch.float32), (4097, torch.uint8)]]
+    tensors = [
+        huge_empty(n, dt) for n, dt in [(1000, torch.bfloat16), (7, torch.float32), (4097, torch.uint8)]
+    ]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
     assert all(t.data_ptr() % huge_pages.ALIGN == 0 and t.is_contiguous() for t in tensors)
@@ -63,7 +65,9 @@ def test_packed_weights_and_cache_sit_on_memory_advised_for_huge_pages():
     q = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
     d = torch.rand(64, 2, dtype=torch.float16) + 0.5
     packed = q_pack(QFormat.Q8, q, d, None)
-    assert packed is not None and torch.equal(q_unpack(packed), q.float() * d.float().repeat_interleave(32, 1))
+    assert packed is not None and torch.equal(
+        q_unpack(packed), q.float() * d.float().repeat_interleave(32, 1)
+    )
     cache = huge_zeros(1 << 20, torch.float32)
     f32 = f32_pack(torch.randn(48, 64))
     for t in [packed.data, cache] + ([f32] if f32 is not None else []):
