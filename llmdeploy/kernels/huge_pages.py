@@ -1,4 +1,4 @@
-"""Packed weights on transparent huge pages.
+"""Packed weights and the CPU KV cache on transparent huge pages.
 
 Batch-1 decode streams every weight once per token. On 4 KiB pages that is a TLB miss per 4 KiB read, and the
 page walks cost the GEMV about 12% of its bandwidth against a plain read of the same bytes (AMD EPYC Zen 4,
@@ -54,12 +54,15 @@ class _Arena:
 _arena = _Arena()
 
 
+def _view(mapping: mmap.mmap, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+
+
 def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of `numel` elements whose memory may sit on transparent huge pages."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    mapping, offset = _arena.take(numel * torch.empty((), dtype=dtype).element_size())
-    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+    return _view(*_arena.take(numel * dtype.itemsize), numel, dtype)
 
 
 def huge_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -67,6 +70,4 @@ def huge_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     where the kernel gives them: a large cache costs nothing at start and only its used part is resident."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(
-        _advised_mapping(numel * torch.empty((), dtype=dtype).element_size()), dtype=dtype
-    )[:numel]
+    return _view(_advised_mapping(numel * dtype.itemsize), 0, numel, dtype)
