@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_kernels.c", "prefill_attention.c", "decode_step.c", "argmax.c")
+    for name in ("cpu_kernels.c", "amx_linear.c", "prefill_attention.c", "decode_step.c", "argmax.c")
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
+AMX_ENV = "LLMDEPLOY_AMX_MIN_ROWS"
+AMX_MIN_ROWS_DEFAULT = 16
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # argument lists shared by a kernel's float32 and bfloat16 variants
@@ -50,6 +52,7 @@ SIGNATURES = {
     "llmd_f32_linear": LINEAR_ARGS,
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_bf16_linear": LINEAR_ARGS,
+    "llmd_amx_configure": [c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -175,8 +178,30 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError, NativeBuildError) as exc:
         log.warning("native CPU kernels unavailable, using the torch ops instead: %s", exc)
         return None
-    log.info("native CPU kernels loaded (%s)", "AVX2" if lib.llmd_has_avx2() else "portable C")
+    amx = lib.llmd_amx_configure(amx_min_rows())
+    log.info(
+        "native CPU kernels loaded (%s%s)",
+        "AVX2" if lib.llmd_has_avx2() else "portable C",
+        f", bf16 linear on AMX from {amx} rows" if amx else "",
+    )
     return lib
+
+
+def amx_min_rows() -> int:
+    """From how many rows a bf16 linear runs on AMX tiles instead of vdpbf16ps (kernels/csrc/amx_linear.c):
+    LLMDEPLOY_AMX_MIN_ROWS, 0 = never (the benchmarks' baseline); the default is measured (bench/linear_rows.py)."""
+    raw = os.environ.get(AMX_ENV, str(AMX_MIN_ROWS_DEFAULT))
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        log.warning("%s=%r is not a row count; using %d", AMX_ENV, raw, AMX_MIN_ROWS_DEFAULT)
+        return AMX_MIN_ROWS_DEFAULT
+
+
+def amx_linear_rows() -> int:
+    """The row count from which bf16 linears run on AMX here, 0 where they never do (no AMX, or switched off)."""
+    lib = library()
+    return 0 if lib is None else lib.llmd_amx_configure(amx_min_rows())
 
 
 def available() -> bool:

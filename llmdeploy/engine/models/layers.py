@@ -90,9 +90,10 @@ def _packed_linear_shape(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# Up to this many rows a bfloat16 layer runs the native vdpbf16ps kernel where the CPU also has AMX, whose tiles
-# outrun it on more rows; without AMX the native kernel runs every row count (within 8% of oneDNN's bf16 GEMM at
-# 2048 rows on Zen 4, 1.4x it at one row: bench/RESULTS.md), so the layer keeps one copy of its weight.
+# Where the CPU has AMX but the native kernel may not use it (LLMDEPLOY_AMX_MIN_ROWS=0), a bfloat16 layer runs
+# the native vdpbf16ps kernel up to this many rows and oneDNN's AMX copy of its weight past them. Otherwise the
+# native kernel runs every row count on one copy (on its own AMX tiles from amx_linear_rows() rows; without AMX
+# within 8% of oneDNN's bf16 GEMM at 2048 rows on Zen 4, 1.4x it at one row: bench/RESULTS.md).
 BF16_NATIVE_MAX_ROWS_WITH_AMX = 16
 
 
@@ -112,7 +113,12 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.native = cpu_native.native_pack(weight)  # None: another dtype, or the CPU lacks the instructions
         amx = has_amx() if amx is None else amx
-        bf16_both = self.native is not None and self.dtype == torch.bfloat16 and amx
+        bf16_both = (
+            self.native is not None
+            and self.dtype == torch.bfloat16
+            and amx
+            and not cpu_native.amx_linear_rows()
+        )
         self.native_max_rows = BF16_NATIVE_MAX_ROWS_WITH_AMX if bf16_both else None
         # no batch-size hint: oneDNN then picks a layout that is faster at every row count measured here (30
         # layers' projections, 2 threads, fp32: 1 row 11.8 -> 8.7 ms, 32 rows 25.5 -> 19.5, 256 rows 120 -> 112;

@@ -1114,10 +1114,14 @@ static void bf16_rows(const uint16_t *x, int64_t xs, const uint16_t *tile, int64
 
 /* y[M, N] bf16 (contiguous) = x[M, K] bf16 (row stride x_stride) @ w[N, K]^T (+ bias[N]) with float32 sums,
  * rounded once to bf16 (as oneDNN does); w packed by llmd_bf16_pack. -2 without AVX-512 BF16. */
+int llmd_bf16_linear_amx(const uint16_t *, int64_t, const uint16_t *, const void *, void *, int64_t, int64_t, int64_t,
+                         int, int); /* amx_linear.c: -1 where it does not apply */
+
 int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512BF16__)
     if (nthreads < 1 || M < 1 || K % 2) return -1;
+    if (llmd_bf16_linear_amx(x, x_stride, packed, bias, y, M, N, K, nthreads, 0) == 0) return 0;
     const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {

@@ -1,0 +1,128 @@
+"""Where the native linear kernels stop paying: SmolLM2-135M's projections through the native kernel and through
+oneDNN (AMX where the CPU has it), at each row count, as the decode and prefill steps run them.
+
+    python bench/linear_rows.py [--dtypes bfloat16,float32] [--rows 1,2,4,...] [--reps 7] [--json out.json]
+
+One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the LM head at `rows` rows, on 30
+separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
+Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
+decides `AMX_MIN_ROWS_DEFAULT` (kernels/cpu_native.py), the row count from which bf16 linears take them. Prints the CPU and its flags first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ceilings import cpu_info  # noqa: E402
+from llmdeploy.kernels import cpu_native  # noqa: E402
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in] per layer
+DEFAULT_ROWS = "1,2,4,8,12,16,20,24,32,48,64,128,256"
+
+
+def weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
+    torch.manual_seed(0)
+    ws = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
+    ws.append(((torch.randn(VOCAB, HIDDEN) * 0.02).to(dtype)))
+    return [(w, w.shape[0]) for w in ws]
+
+
+def onednn_pass(ws) -> list:
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(w), n, w.shape[1]) for w, n in ws]
+
+    def run(rows: int) -> None:
+        for p, _n, k in packed:
+            x = xs[(rows, k)]
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    return run
+
+
+def native_pass(ws):
+    packed = [(cpu_native.native_pack(w), n, w.shape[1]) for w, n in ws]
+    if any(p is None for p, _, _ in packed):
+        return None
+
+    def run(rows: int) -> None:
+        for p, n, k in packed:
+            cpu_native.native_linear(xs[(rows, k)], p, None, n)
+
+    return run
+
+
+xs: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def amx_on(min_rows: int) -> bool:
+    """The native bf16 linear on AMX from min_rows rows (0: vdpbf16ps only); False where AMX cannot run."""
+    lib = cpu_native.library()
+    return lib is not None and lib.llmd_amx_configure(min_rows) > 0
+
+
+def best_of(fn, rows: int, reps: int) -> float:
+    fn(rows)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(rows)
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    info = cpu_info()
+    print(info.line())
+    rows_list = [int(r) for r in args.rows.split(",")]
+    flops_per_row = 2 * (LAYERS * sum(n * k for n, k in SHAPES) + VOCAB * HIDDEN)
+    out: dict[str, list[dict]] = {}
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        ws = weights(dtype)
+        for r in rows_list:
+            for k in (HIDDEN, INTER):
+                xs[(r, k)] = torch.randn(r, k).to(dtype)
+        dnn, nat = onednn_pass(ws), native_pass(ws)
+        amx = nat is not None and dtype == torch.bfloat16 and amx_on(1)
+        amx_on(0)
+        print(f"\n{name}: all projections of a step (30 layers + LM head), ms (GFLOP/s)")
+        head = f"{'rows':>5} {'oneDNN':>16} {'native':>16} {'native/oneDNN':>14}"
+        print(head + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else ""))
+        out[name] = []
+        for r in rows_list:
+            gf = lambda t: flops_per_row * r / t / 1e9  # noqa: E731
+            cell = lambda t: f"{t * 1e3:8.2f} ({gf(t):5.0f})" if t else f"{'-':>16}"  # noqa: E731
+            d = best_of(dnn, r, args.reps)
+            n = best_of(nat, r, args.reps) if nat else None
+            line = f"{r:5d} {cell(d)} {cell(n)} " + (f"{n / d:14.2f}" if n else f"{'-':>14}")
+            row = {"rows": r, "onednn_s": d, "native_s": n}
+            if amx:
+                amx_on(1)
+                a = best_of(nat, r, args.reps)
+                amx_on(0)
+                line += f" {cell(a)} {a / d:11.2f}"
+                row["native_amx_s"] = a
+            print(line)
+            out[name].append(row)
+        xs.clear()
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": dataclasses.asdict(info), "results": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
