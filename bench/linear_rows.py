@@ -33,7 +33,7 @@ DEFAULT_ROWS = "1,2,4,8,12,16,20,24,32,48,64,128,256"
 def weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
     torch.manual_seed(0)
     ws = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
-    ws.append(((torch.randn(VOCAB, HIDDEN) * 0.02).to(dtype)))
+    ws.append((torch.randn(VOCAB, HIDDEN) * 0.02).to(dtype))
     return [(w, w.shape[0]) for w in ws]
 
 
@@ -105,8 +105,10 @@ def main() -> None:
         print(head + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else ""))
         out[name] = []
         for r in rows_list:
-            gf = lambda t: flops_per_row * r / t / 1e9  # noqa: E731
-            cell = lambda t: f"{t * 1e3:8.2f} ({gf(t):5.0f})" if t else f"{'-':>16}"  # noqa: E731
+
+            def cell(t: float | None, r: int = r) -> str:
+                return f"{t * 1e3:8.2f} ({flops_per_row * r / t / 1e9:5.0f})" if t else f"{'-':>16}"
+
             d = best_of(dnn, r, args.reps)
             n = best_of(nat, r, args.reps) if nat else None
             line = f"{r:5d} {cell(d)} {cell(n)} " + (f"{n / d:14.2f}" if n else f"{'-':>14}")

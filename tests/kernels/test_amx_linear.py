@@ -53,7 +53,7 @@ def test_amx_linear_rounds_the_exact_sum_once(rows, bias, amx_from):
 @needs_amx
 def test_amx_and_vdpbf16ps_agree_and_the_switch_turns_amx_off(amx_from):
     """Both kernels round the same float32 sums (in another order) once: within one bf16 step of each other. With
-    the threshold at 0 the library reports AMX off and the layer keeps oneDNN's copy for its many rows."""
+    the threshold at 0 the library reports AMX off and a layer hands oneDNN its rows past vdpbf16ps's few."""
     from llmdeploy.engine.models import layers
 
     g = torch.Generator().manual_seed(0)
@@ -66,9 +66,11 @@ def test_amx_and_vdpbf16ps_agree_and_the_switch_turns_amx_off(amx_from):
     on_vdpbf16ps = cpu_native.bf16_linear(x, packed, None, n)
     torch.testing.assert_close(on_amx.float(), on_vdpbf16ps.float(), atol=0.05, rtol=2**-7)
     lin = torch.nn.Linear(k, n).bfloat16()
-    assert layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False).packed is not None
+    off = layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False)
+    assert off.native_max_rows == layers.BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES
     assert amx_from(cpu_native.AMX_MIN_ROWS_DEFAULT) == cpu_native.AMX_MIN_ROWS_DEFAULT
-    assert layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False).packed is None
+    on = layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False)
+    assert on.native_max_rows == layers.BF16_NATIVE_MAX_ROWS_WITH_AMX and on.packed is not None
 
 
 @needs_amx

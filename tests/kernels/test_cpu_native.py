@@ -164,15 +164,14 @@ def test_bf16_linear_declines_what_it_does_not_cover():
 @needs_avx512_bf16
 @pytest.mark.parametrize("amx", [False, True])
 def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
-    """One native copy runs every row count, on its own AMX tiles where it may use them; where the CPU has AMX
-    that the native kernel may not use, oneDNN's copy takes the rows past BF16_NATIVE_MAX_ROWS_WITH_AMX. Both agree
-    with torch's bf16 linear to one bf16 rounding."""
+    """Without AMX one native copy runs every row count; with AMX oneDNN's copy takes the rows past
+    BF16_NATIVE_MAX_ROWS_WITH_AMX (or _WITHOUT_AMX_TILES). Both agree with torch's bf16 linear to one bf16
+    rounding."""
     from llmdeploy.engine.models import layers
 
     lin = torch.nn.Linear(46, 70).bfloat16()
     packed = layers.PackedLinear(lin.weight, lin.bias, amx=amx, register=False)
-    onednn_too = amx and not cpu_native.amx_linear_rows()
-    assert packed.native is not None and (packed.packed is not None) == onednn_too
+    assert packed.native is not None and (packed.packed is not None) == amx
     torch.testing.assert_close(packed.weight, lin.weight.detach(), atol=0, rtol=0)
     for rows in (1, layers.BF16_NATIVE_MAX_ROWS_WITH_AMX + 1, 64):
         x = torch.randn(rows, 46).bfloat16()

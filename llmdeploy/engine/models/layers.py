@@ -90,11 +90,14 @@ def _packed_linear_shape(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-# Where the CPU has AMX but the native kernel may not use it (LLMDEPLOY_AMX_MIN_ROWS=0), a bfloat16 layer runs
-# the native vdpbf16ps kernel up to this many rows and oneDNN's AMX copy of its weight past them. Otherwise the
-# native kernel runs every row count on one copy (on its own AMX tiles from amx_linear_rows() rows; without AMX
-# within 8% of oneDNN's bf16 GEMM at 2048 rows on Zen 4, 1.4x it at one row: bench/RESULTS.md).
-BF16_NATIVE_MAX_ROWS_WITH_AMX = 16
+# Where the CPU has AMX, a bfloat16 layer keeps oneDNN's AMX copy of its weight for prefill's many rows and runs
+# the native kernel up to these many (bench/linear_rows.py, Xeon with AMX, 2026-12-04, all of a step's
+# projections): on its own AMX tiles 0.81-0.91x oneDNN's time at 4-32 rows, 1.12x at 48, 1.27x at 256; where it
+# may not use them (LLMDEPLOY_AMX_MIN_ROWS=0) vdpbf16ps alone: 0.73x at 1 row, 0.93x at 4, 1.11x at 8, 1.69x at 16.
+# Without AMX the native kernel runs every row count on one copy (within 8% of oneDNN's bf16 GEMM at 2048 rows on
+# Zen 4, 1.4x it at one row: bench/RESULTS.md).
+BF16_NATIVE_MAX_ROWS_WITH_AMX = 32
+BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES = 4
 
 
 class PackedLinear(nn.Module):
@@ -113,13 +116,13 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.native = cpu_native.native_pack(weight)  # None: another dtype, or the CPU lacks the instructions
         amx = has_amx() if amx is None else amx
-        bf16_both = (
-            self.native is not None
-            and self.dtype == torch.bfloat16
-            and amx
-            and not cpu_native.amx_linear_rows()
-        )
-        self.native_max_rows = BF16_NATIVE_MAX_ROWS_WITH_AMX if bf16_both else None
+        bf16_both = self.native is not None and self.dtype == torch.bfloat16 and amx
+        self.native_max_rows = None
+        if bf16_both:
+            tiles = cpu_native.amx_linear_rows() > 0
+            self.native_max_rows = (
+                BF16_NATIVE_MAX_ROWS_WITH_AMX if tiles else BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES
+            )
         # no batch-size hint: oneDNN then picks a layout that is faster at every row count measured here (30
         # layers' projections, 2 threads, fp32: 1 row 11.8 -> 8.7 ms, 32 rows 25.5 -> 19.5, 256 rows 120 -> 112;
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
