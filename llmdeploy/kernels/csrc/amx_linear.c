@@ -24,6 +24,12 @@
 #define XFEATURE_XTILEDATA 18
 
 typedef struct {
+    __m512 b0, b1;
+    __mmask16 m0, m1;
+} llmd_tile_epilogue; /* cpu_kernels.c: a tile's bias and channel masks */
+llmd_tile_epilogue llmd_bf16_tile_epilogue(const void *bias, int real, int out_f32);
+
+typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
@@ -89,18 +95,9 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, i
 
 /* rows of acc + bias -> y (bf16, or float32 where OUT_F32), the first `real` channels */
 static void amx_store(const float *acc, int rows, const void *bias, void *y, int64_t ys, int real, int out_f32) {
-    float b[AMX_NR] = {0};
-    for (int c = 0; bias && c < real; c++) {
-        if (out_f32) {
-            b[c] = ((const float *)bias)[c];
-            continue;
-        }
-        const uint32_t u = (uint32_t)((const uint16_t *)bias)[c] << 16;
-        memcpy(&b[c], &u, sizeof u);
-    }
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-    const __mmask16 m0 = real >= 16 ? 0xFFFF : (__mmask16)((1u << real) - 1);
-    const __mmask16 m1 = real <= 16 ? 0 : real >= 32 ? 0xFFFF : (__mmask16)((1u << (real - 16)) - 1);
+    const llmd_tile_epilogue e = llmd_bf16_tile_epilogue(bias, real, out_f32);
+    const __m512 b0 = e.b0, b1 = e.b1;
+    const __mmask16 m0 = e.m0, m1 = e.m1;
     for (int i = 0; i < rows; i++) {
         const __m512 s0 = _mm512_add_ps(_mm512_loadu_ps(acc + i * AMX_NR), b0);
         const __m512 s1 = _mm512_add_ps(_mm512_loadu_ps(acc + i * AMX_NR + 16), b1);

@@ -1050,6 +1050,28 @@ int llmd_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
 }
 
 #if defined(__AVX512BF16__)
+typedef struct {
+    __m512 b0, b1;    /* the bias of channels 0-15 and 16-31, float32 (0 past `real`, or without a bias) */
+    __mmask16 m0, m1; /* which of those channels are real */
+} llmd_tile_epilogue;
+
+/* What a 32-channel tile's store needs (here and in amx_linear.c): bias bf16, or float32 where out_f32. */
+llmd_tile_epilogue llmd_bf16_tile_epilogue(const void *bias, int real, int out_f32) {
+    float b[BF16_NR] = {0};
+    for (int c = 0; bias && c < real; c++) {
+        if (out_f32) {
+            b[c] = ((const float *)bias)[c];
+            continue;
+        }
+        const uint32_t u = (uint32_t)((const uint16_t *)bias)[c] << 16;
+        memcpy(&b[c], &u, sizeof u);
+    }
+    llmd_tile_epilogue e = {_mm512_loadu_ps(b), _mm512_loadu_ps(b + 16), 0, 0};
+    e.m0 = real >= 16 ? 0xFFFF : (__mmask16)((1u << real) - 1);
+    e.m1 = real <= 16 ? 0 : real >= 32 ? 0xFFFF : (__mmask16)((1u << (real - 16)) - 1);
+    return e;
+}
+
 /* OUT_F32 (a constant where inlined): float32 bias and output (q_bf16_linear) instead of bf16 ones */
 static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, int64_t xs, const uint16_t *tile,
                                                             int64_t K, const void *bias, void *y, int64_t ys,
@@ -1069,19 +1091,9 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
             a1[i] = _mm512_dpbf16_ps(a1[i], xb, w1);
         }
     }
-    float b[BF16_NR] = {0};
-    if (bias)
-        for (int c = 0; c < real; c++) {
-            if (OUT_F32) {
-                b[c] = ((const float *)bias)[c];
-                continue;
-            }
-            const uint32_t u = (uint32_t)((const uint16_t *)bias)[c] << 16;
-            memcpy(&b[c], &u, sizeof u);
-        }
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
-    const __mmask16 m0 = real >= 16 ? 0xFFFF : (__mmask16)((1u << real) - 1);
-    const __mmask16 m1 = real <= 16 ? 0 : real >= 32 ? 0xFFFF : (__mmask16)((1u << (real - 16)) - 1);
+    const llmd_tile_epilogue e = llmd_bf16_tile_epilogue(bias, real, OUT_F32);
+    const __m512 b0 = e.b0, b1 = e.b1;
+    const __mmask16 m0 = e.m0, m1 = e.m1;
     for (int i = 0; i < MR; i++) {
         if (OUT_F32) {
             float *yf = (float *)y + i * ys;
