@@ -30,8 +30,16 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("cpu_kernels.c", "amx_linear.c", "prefill_attention.c", "decode_step.c", "argmax.c")
+    for name in (
+        "cpu_kernels.c",
+        "f32_linear_avx2.c",
+        "amx_linear.c",
+        "prefill_attention.c",
+        "decode_step.c",
+        "argmax.c",
+    )
 )
+HEADERS = (Path(__file__).with_name("csrc") / "unroll.h",)  # in the build key: a change to one rebuilds
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
@@ -47,9 +55,12 @@ Q_LINEAR_ARGS = [c_int, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c
 SIGNATURES = {
     "llmd_has_avx2": [],
     "llmd_has_avx512": [],
+    "llmd_has_f32_linear": [],
+    "llmd_has_f32_linear_avx2": [],
     "llmd_has_avx512_bf16": [],
     "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_f32_linear": LINEAR_ARGS,
+    "llmd_f32_linear_avx2": LINEAR_ARGS,
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_bf16_linear": LINEAR_ARGS,
     "llmd_amx_configure": [c_int],
@@ -132,7 +143,7 @@ def build_key(cc: str, flags: tuple[str, ...]) -> str:
         )
     except OSError:
         cpu = platform.processor()
-    ident = "\0".join([*(src.read_text() for src in SOURCES), " ".join(flags), version, cpu])
+    ident = "\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), " ".join(flags), version, cpu])
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
@@ -450,8 +461,8 @@ def _native_linear_runs(probe: str) -> bool:
 
 
 def f32_linear_available() -> bool:
-    """Whether the native float32 linear runs here (it needs AVX-512; elsewhere oneDNN's packed GEMM stays)."""
-    return _native_linear_runs("llmd_has_avx512")
+    """Whether the native float32 linear runs here (AVX-512, or AVX2 + FMA; elsewhere oneDNN's packed GEMM stays)."""
+    return _native_linear_runs("llmd_has_f32_linear")
 
 
 def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -86,30 +86,64 @@ def test_decode_declines_what_it_does_not_cover():
     assert out.shape == (1, 4, 16)
 
 
-needs_avx512 = pytest.mark.skipif(
-    not cpu_native.f32_linear_available(), reason="the native float32 linear needs AVX-512"
+needs_f32_linear = pytest.mark.skipif(
+    not cpu_native.f32_linear_available(), reason="the native float32 linear needs AVX-512 or AVX2 + FMA"
+)
+needs_avx2 = pytest.mark.skipif(
+    not (cpu_native.available() and cpu_native.library().llmd_has_f32_linear_avx2()),
+    reason="the AVX2 float32 linear needs AVX2 + FMA",
 )
 
 
-@needs_avx512
-@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 25, 40])
+def f32_linear_via(kernel: str):
+    """cpu_native.f32_linear through one named kernel: what this CPU runs, or the AVX2 one (which also runs on every
+    AVX-512 CPU, so both kernels are checked wherever the project's machines have AVX-512)."""
+    return lambda x, packed, b, n: cpu_native._packed_linear(kernel, x, packed, b, n)
+
+
+KERNELS = [
+    pytest.param("llmd_f32_linear", marks=needs_f32_linear, id="native"),
+    pytest.param("llmd_f32_linear_avx2", marks=needs_avx2, id="avx2"),
+]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("n", [70, 90])  # last tile: 6 channels (no second half), 26 (a partial second half)
 @pytest.mark.parametrize("bias", [False, True])
-def test_f32_linear_matches_torch(rows, bias):
+def test_f32_linear_matches_torch(kernel, rows, n, bias):
+    linear = f32_linear_via(kernel)
     g = torch.Generator().manual_seed(rows)
-    n, k = 70, 45  # a channel tail in the last tile of 32, an odd K
+    k = 45  # an odd K
     w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     packed = cpu_native.f32_pack(w)
     assert packed.numel() == 96 * k  # channels padded to whole tiles
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double() if bias else None)
-    torch.testing.assert_close(cpu_native.f32_linear(x, packed, b, n).double(), ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x, packed, b, n).double(), ref, atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, rows, 2 * k, generator=g)[..., :k]  # leading dims and a row stride
-    out3 = cpu_native.f32_linear(x3, packed, b, n)
+    out3 = linear(x3, packed, b, n)
     assert out3.shape == (2, rows, n)
     torch.testing.assert_close(out3, torch.nn.functional.linear(x3, w, b), atol=1e-4, rtol=1e-5)
 
 
-@needs_avx512
+@needs_avx2
+def test_avx2_linear_writes_only_its_outputs():
+    """Rows past M and the padding channels of the last tile are never written (the engine hands out views)."""
+    g = torch.Generator().manual_seed(1)
+    n, k, rows = 40, 64, 7
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows + 2, k, generator=g)
+    packed = cpu_native.f32_pack(w)
+    lib = cpu_native.library()
+    out = torch.full((rows + 2, n), 7.0)
+    assert (
+        lib.llmd_f32_linear_avx2(x.data_ptr(), k, packed.data_ptr(), None, out.data_ptr(), rows, n, k, 2) == 0
+    )
+    torch.testing.assert_close(out[:rows], x[:rows] @ w.T, atol=1e-4, rtol=1e-5)
+    assert bool((out[rows:] == 7.0).all())
+
+
+@needs_f32_linear
 def test_packed_linear_runs_natively_and_unpacks_to_its_weight():
     from llmdeploy.engine.models.layers import PackedLinear
 
@@ -120,6 +154,21 @@ def test_packed_linear_runs_natively_and_unpacks_to_its_weight():
     x = torch.randn(3, 45)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_without_any_packing_kernel_runs_its_weight(monkeypatch):
+    """A dtype neither the native kernels nor oneDNN take on this CPU (bf16 on AVX2-only CPUs) keeps the dense
+    weight and F.linear instead of failing at load."""
+    from llmdeploy.engine.models import layers
+
+    monkeypatch.setattr(layers, "onednn_linear_available", lambda dtype=torch.float32: False)
+    monkeypatch.setattr(cpu_native, "native_pack", lambda weight: None)
+    lin = torch.nn.Linear(45, 70).bfloat16()
+    packed = layers.PackedLinear(lin.weight, lin.bias, register=False)
+    assert packed.native is None and packed.packed is None and packed.weight is packed.dense
+    x = torch.randn(3, 45).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x))
 
 
 needs_avx512_bf16 = pytest.mark.skipif(
@@ -198,8 +247,8 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
     assert not cpu_native.q_vnni_available()  # the block-quantized linear: its float32 kernel
     lin = cpu_native.q_linear(x, cpu_native.q_pack(w.fmt, w.q, w.d, None), None)
     torch.testing.assert_close(lin, torch.nn.functional.linear(x, w.dequantize()), atol=1e-5, rtol=1e-5)
-    # no AVX-512: the float32 layers keep oneDNN's packed GEMM
-    from llmdeploy.engine.models.layers import PackedLinear
+    # no AVX2 nor AVX-512: the float32 layers keep oneDNN's packed GEMM
+    from llmdeploy.engine.models.layers import PackedLinear, onednn_linear_available
 
     assert not cpu_native.f32_linear_available() and cpu_native.f32_pack(torch.ones(4, 4)) is None
     assert (
@@ -210,7 +259,8 @@ def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
         packed = PackedLinear(layer.weight, layer.bias)
         assert packed.native is None
         torch.testing.assert_close(packed(x), layer(x), atol=1e-5, rtol=1e-5)
-        layer = layer.bfloat16()
+    if onednn_linear_available(torch.bfloat16):  # oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs
+        layer = torch.nn.Linear(64, 9).bfloat16()
         packed = PackedLinear(layer.weight, layer.bias, register=False)
         assert packed.native is None and packed.packed is not None
         torch.testing.assert_close(packed(x.bfloat16()), layer(x.bfloat16()), atol=2e-2, rtol=2e-2)

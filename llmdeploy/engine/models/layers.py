@@ -102,8 +102,9 @@ BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES = 4
 
 class PackedLinear(nn.Module):
     """A loaded nn.Linear whose weight is reordered once into a GEMM's blocked layout (CPU only): the native
-    kernels' tiles where the CPU has AVX-512 (float32) or AVX-512 BF16 (bfloat16) (kernels/cpu_native.py: 1.4-1.6x
-    oneDNN at one row, where decode is bandwidth-bound, and on par at 2048 rows; bench/RESULTS.md), else oneDNN's.
+    kernels' tiles where the CPU has AVX-512 or AVX2 + FMA (float32) or AVX-512 BF16 (bfloat16)
+    (kernels/cpu_native.py: 1.4-1.6x oneDNN at one row on Zen 4, where decode is bandwidth-bound, and on par at 2048
+    rows; the AVX2 kernel 1.2-1.3x oneDNN's speed at every row count on Zen 2; bench/RESULTS.md), else oneDNN's.
 
     oneDNN against torch's MKL path (2 threads, float32): 2x faster from 4 rows up (the LM head at 32 rows:
     21 ms -> 7 ms) and 1.4x at one row; bfloat16 gains 1.1-3x. Same fp32 accuracy (different summation order)."""
@@ -128,9 +129,11 @@ class PackedLinear(nn.Module):
         # the LM head at 32 rows 6.7 -> 5.0) than the layout tuned for one row
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if self.native is None or bf16_both
+            if (self.native is None or bf16_both) and onednn_linear_available(self.dtype)
             else None
         )
+        # neither kernel takes this dtype here (bf16 on an AVX2-only CPU): F.linear on the weight as it came
+        self.dense = weight.detach() if self.native is None and self.packed is None else None
         self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
         # torch.compile cannot trace an opaque packed tensor: compiled code reaches this module through the handle
         self.register_buffer("handle", torch.tensor(len(PACKED_LINEARS)), persistent=False)
@@ -163,6 +166,8 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:  # a dense copy, for inspection
+        if self.dense is not None:
+            return self.dense
         if self.native is None:
             return self.packed.to_dense()
         tile, k = cpu_native.F32_TILE, self.in_features

@@ -15,6 +15,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "unroll.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -186,20 +188,20 @@ static inline __attribute__((always_inline)) void pv_group(const DecodeArgs *a, 
     const int64_t D = a->head_dim, W = 8 * NV, row = a->num_kv_heads * D;
     for (int64_t d = 0; d < D; d += W) {
         v8 o[8][4];
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < NV; j++) o[g][j] = v8_zero();
+        ROWS_UNROLLED for (int g = 0; g < G; g++)
+            ROWS_UNROLLED for (int j = 0; j < NV; j++) o[g][j] = v8_zero();
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = slots[i] * row + h * D + d;
             v8 pg[8];
-            for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps + i]);
-            for (int j = 0; j < NV; j++) {
+            ROWS_UNROLLED for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps + i]);
+            ROWS_UNROLLED for (int j = 0; j < NV; j++) {
                 const v8 v = BF16 ? v8_load_bf16((const uint16_t *)a->v_cache + at + 8 * j)
                                   : v8_load((const float *)a->v_cache + at + 8 * j);
-                for (int g = 0; g < G; g++) o[g][j] = v8_fma(pg[g], v, o[g][j]);
+                ROWS_UNROLLED for (int g = 0; g < G; g++) o[g][j] = v8_fma(pg[g], v, o[g][j]);
             }
         }
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < NV; j++) v8_store(acc + g * D + d + 8 * j, o[g][j]);
+        ROWS_UNROLLED for (int g = 0; g < G; g++)
+            ROWS_UNROLLED for (int j = 0; j < NV; j++) v8_store(acc + g * D + d + 8 * j, o[g][j]);
     }
 }
 
@@ -545,35 +547,35 @@ static inline __attribute__((always_inline)) void q_block(const float *x, int64_
                                                          const uint8_t *tile, int64_t K, const float *bias, float *y,
                                                          int64_t ys, int real, const int MR, const int fmt) {
     v16 a0[Q_MR], a1[Q_MR], s0[Q_MR], s1[Q_MR];
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = v16_zero();
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = v16_zero();
     const int64_t bb = q_block_bytes(fmt), blocks = K / QB;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
         const float *xb = x + b * QB;
-        for (int i = 0; i < MR; i++) s0[i] = s1[i] = v16_zero();
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) s0[i] = s1[i] = v16_zero();
         for (int kk = 0; kk < QB; kk++) {
             if (kk * 64 < bb) __builtin_prefetch(hdr + 4 * bb + kk * 64, 0, 3);
             v16 q0, q1;
             if (fmt == Q_FMT_Q4) v16_u4(qs + kk * 16, &q0, &q1);
             else q0 = v16_i8(qs + kk * 32), q1 = v16_i8(qs + kk * 32 + 16);
-            for (int i = 0; i < MR; i++) {
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 const v16 xv = v16_set1(xb[i * xs + kk]);
                 s0[i] = v16_fma(xv, q0, s0[i]);
                 s1[i] = v16_fma(xv, q1, s1[i]);
             }
         }
         const v16 d0 = v16_half(hdr), d1 = v16_half(hdr + 32);
-        for (int i = 0; i < MR; i++) a0[i] = v16_fma(s0[i], d0, a0[i]), a1[i] = v16_fma(s1[i], d1, a1[i]);
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = v16_fma(s0[i], d0, a0[i]), a1[i] = v16_fma(s1[i], d1, a1[i]);
         if (fmt == Q_FMT_Q4) {
             const v16 m0 = v16_half(hdr + 64), m1 = v16_half(hdr + 96);
-            for (int i = 0; i < MR; i++) {
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 const v16 sx = v16_set1(xsum[i * blocks + b]);
                 a0[i] = v16_fma(sx, m0, a0[i]), a1[i] = v16_fma(sx, m1, a1[i]);
             }
         }
     }
     float tmp[Q_NR];
-    for (int i = 0; i < MR; i++) {
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         v16_store(tmp, a0[i]);
         v16_store(tmp + 16, a1[i]);
         q_store_row(tmp, bias, y + i * ys, real);
@@ -665,13 +667,13 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
                                                           const int MR, const int fmt) {
     __m512 a0[Q_MR], a1[Q_MR];
     __m512i s0[Q_MR], s1[Q_MR];
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     const int64_t bb = q_block_bytes(fmt), blocks = K / QB;
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
         for (int64_t l = 0; l < (fmt == Q_FMT_Q4 ? 128 : 64); l += 64) __builtin_prefetch(hdr + QV_PREFETCH + l, 0, 3);
-        for (int i = 0; i < MR; i++) s0[i] = s1[i] = _mm512_setzero_si512();
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) s0[i] = s1[i] = _mm512_setzero_si512();
         for (int g = 0; g < QB / 4; g++) {
             __builtin_prefetch(qs + g * (fmt == Q_FMT_Q4 ? 64 : 128) + QV_PREFETCH, 0, 3);
             if (fmt == Q_FMT_Q8) __builtin_prefetch(qs + g * 128 + 64 + QV_PREFETCH, 0, 3);
@@ -682,7 +684,7 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
             } else {
                 lo = _mm512_loadu_si512(qs + g * 128), hi = _mm512_loadu_si512(qs + g * 128 + 64);
             }
-            for (int i = 0; i < MR; i++) {
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 int32_t four;
                 memcpy(&four, xq + i * K + b * QB + 4 * g, 4);
                 const __m512i xb = _mm512_set1_epi32(four);
@@ -697,7 +699,7 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
             m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64)));
             m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 96)));
         }
-        for (int i = 0; i < MR; i++) {
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             const float sx = dx[i * blocks + b];
             const __m512 scale = _mm512_set1_ps(sx);
             if (fmt == Q_FMT_Q8) { /* the quants were stored + 128: take 128 * sum(xq) back */
@@ -713,7 +715,7 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
         }
     }
     float tmp[Q_NR];
-    for (int i = 0; i < MR; i++) {
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(tmp, a0[i]);
         _mm512_storeu_ps(tmp + 16, a1[i]);
         q_store_row(tmp, bias, y + i * ys, real);
@@ -933,7 +935,7 @@ int llmd_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t i
 LLMD_ROPE_STORE(llmd_rope_store, float, v8_load, v8_store)
 LLMD_ROPE_STORE(llmd_rope_store_bf16, uint16_t, v8_load_bf16, v8_store_bf16)
 
-/* ---------------------------------------------------------------- float32 linear (AVX-512) */
+/* ---------------------------------------------------------------- float32 linear (AVX-512; AVX2 in f32_linear_avx2.c) */
 
 /* Weights packed at load (llmd_f32_pack) in tiles of F32_NR output channels, k-major inside a tile: tile t,
  * input k -> F32_NR contiguous floats (N padded with zero channels). One tile is one sequential stream, and a
@@ -967,20 +969,20 @@ static inline __attribute__((always_inline)) void f32_block(const float *x, int6
                                                            int64_t K, const float *bias, float *y, int64_t ys,
                                                            int real, const int MR) {
     __m512 a0[F32_MR], a1[F32_MR];
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *wp = tile + k * F32_NR;
         _mm_prefetch((const char *)(wp + F32_NR * 8), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp + F32_NR * 8 + 16), _MM_HINT_T0);
         const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
-        for (int i = 0; i < MR; i++) {
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             const __m512 xb = _mm512_set1_ps(x[i * xs + k]);
             a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
             a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
         }
     }
     float tmp[F32_NR];
-    for (int i = 0; i < MR; i++) {
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(tmp, a0[i]);
         _mm512_storeu_ps(tmp + 16, a1[i]);
         q_store_row(tmp, bias, y + i * ys, real);
@@ -998,8 +1000,16 @@ static void f32_rows(const float *x, int64_t xs, const float *tile, int64_t K, c
 }
 #endif
 
+int llmd_f32_linear_avx2(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                         int); /* f32_linear_avx2.c: the same contract on AVX2 + FMA, -2 without them */
+int llmd_has_f32_linear_avx2(void);
+
+/* Whether llmd_f32_linear runs here: AVX-512, else AVX2 + FMA (f32_linear_avx2.c) */
+int llmd_has_f32_linear(void) { return llmd_has_avx512() || llmd_has_f32_linear_avx2(); }
+
 /* y[M, N] (contiguous) = x[M, K] (row stride x_stride) @ w[N, K]^T (+ bias[N]), w packed by llmd_f32_pack.
- * Threads split the channel tiles; each tile meets every row block while it is in cache. -2 without AVX-512. */
+ * Threads split the channel tiles; each tile meets every row block while it is in cache. Without AVX-512 the
+ * AVX2 kernel runs (-2 without that either). */
 int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y, int64_t M,
                     int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512F__)
@@ -1015,8 +1025,7 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
     }
     return 0;
 #else
-    (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
-    return -2;
+    return llmd_f32_linear_avx2(x, x_stride, packed, bias, y, M, N, K, nthreads);
 #endif
 }
 
@@ -1077,13 +1086,13 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
                                                             int64_t K, const void *bias, void *y, int64_t ys,
                                                             int real, const int MR, const int OUT_F32) {
     __m512 a0[F32_MR], a1[F32_MR];
-    for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < K / 2; p++) {
         const uint16_t *wp = tile + p * BF16_NR * 2;
         _mm_prefetch((const char *)(wp + BF16_NR * 2 * 8), _MM_HINT_T0);
         _mm_prefetch((const char *)(wp + BF16_NR * 2 * 8 + 32), _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-        for (int i = 0; i < MR; i++) {
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             int32_t pair;
             memcpy(&pair, x + i * xs + 2 * p, sizeof pair);
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
@@ -1094,7 +1103,7 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
     const llmd_tile_epilogue e = llmd_bf16_tile_epilogue(bias, real, OUT_F32);
     const __m512 b0 = e.b0, b1 = e.b1;
     const __mmask16 m0 = e.m0, m1 = e.m1;
-    for (int i = 0; i < MR; i++) {
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         if (OUT_F32) {
             float *yf = (float *)y + i * ys;
             _mm512_mask_storeu_ps(yf, m0, _mm512_add_ps(a0[i], b0));

@@ -15,6 +15,8 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "unroll.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,18 +91,18 @@ static inline __attribute__((always_inline)) void block_scores(const PrefillArgs
     const uint16_t *kp = a->kp + h * a->ctx_pad * a->D;
     for (int64_t t = 0; t < tiles; t++) {
         __m512 s0[PF_MR], s1[PF_MR];
-        for (int i = 0; i < MR; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) s0[i] = s1[i] = _mm512_setzero_ps();
         const uint16_t *tile = kp + t * PF_KEYS * a->D;
         for (int64_t p = 0; p < a->D / 2; p++) {
             const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
             const __m512bh k1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
-            for (int i = 0; i < MR; i++) {
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 const __m512bh qb = pair_of(q[i] + 2 * p);
                 s0[i] = _mm512_dpbf16_ps(s0[i], qb, k0);
                 s1[i] = _mm512_dpbf16_ps(s1[i], qb, k1);
             }
         }
-        for (int i = 0; i < MR; i++) {
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             _mm512_storeu_ps(s + i * ss + t * PF_KEYS, s0[i]);
             _mm512_storeu_ps(s + i * ss + t * PF_KEYS + 16, s1[i]);
         }
@@ -114,18 +116,18 @@ static inline __attribute__((always_inline)) void block_pv(const PrefillArgs *a,
     const uint16_t *vp = a->vp + h * a->ctx_pad * a->D;
     for (int64_t d0 = 0; d0 < a->D; d0 += PF_DV) {
         __m512 acc[PF_MR][4];
-        for (int i = 0; i < MR; i++)
+        ROWS_UNROLLED for (int i = 0; i < MR; i++)
             for (int z = 0; z < 4; z++) acc[i][z] = _mm512_setzero_ps();
         for (int64_t k = 0; k < pairs; k++) {
             const uint16_t *v = vp + (k * a->D + d0) * 2;
             __m512bh vv[4];
             for (int z = 0; z < 4; z++) vv[z] = (__m512bh)_mm512_loadu_si512(v + 32 * z);
-            for (int i = 0; i < MR; i++) {
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 const __m512bh pb = pair_of(p + i * ps + 2 * k);
                 for (int z = 0; z < 4; z++) acc[i][z] = _mm512_dpbf16_ps(acc[i][z], pb, vv[z]);
             }
         }
-        for (int i = 0; i < MR; i++) {
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             const __m512 inv = _mm512_set1_ps(1.0f / sums[i]);
             for (int z = 0; z < 4; z++)
                 _mm256_storeu_si256((__m256i *)(out[i] + d0 + 16 * z),
@@ -160,7 +162,7 @@ static inline __attribute__((always_inline)) void row_block(const PrefillArgs *a
     const uint16_t *q[PF_MR];
     uint16_t *o[PF_MR];
     float sums[PF_MR];
-    for (int i = 0; i < MR; i++) {
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         q[i] = row_q(a, h, r0 + i);
         o[i] = out + ((r0 + i) / a->G * a->H + h * a->G + (r0 + i) % a->G) * a->D;
     }
@@ -168,7 +170,7 @@ static inline __attribute__((always_inline)) void row_block(const PrefillArgs *a
     const int64_t seen = first + (r0 + MR - 1) / a->G + 1; /* keys the block's last row sees */
     const int64_t tiles = (seen + PF_KEYS - 1) / PF_KEYS, width = tiles * PF_KEYS;
     block_scores(a, h, q, tiles, s, a->ctx_pad, MR);
-    for (int i = 0; i < MR; i++)
+    ROWS_UNROLLED for (int i = 0; i < MR; i++)
         sums[i] = row_softmax(s + i * a->ctx_pad, first + (r0 + i) / a->G + 1, width, a->scale, p + i * a->ctx_pad);
     block_pv(a, h, p, a->ctx_pad, (seen + 1) / 2, sums, o, MR);
 }

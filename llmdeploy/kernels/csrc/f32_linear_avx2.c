@@ -1,0 +1,136 @@
+/* The float32 linear on AVX2 + FMA CPUs without AVX-512 (AMD Zen 2/3, older Xeons), over the same packed layout as
+ * the AVX-512 kernel (llmd_f32_pack: tiles of 32 channels, k-major): packs are interchangeable between the two.
+ *
+ * Why its own micro-kernels: AVX2 has 16 vector registers of 8 floats, so the AVX-512 kernel's 12 rows x 32
+ * channels do not fit. One or two rows take the whole 32-channel tile (4 accumulators a row: one sequential stream,
+ * the bandwidth-bound decode case); from three rows each half tile of 16 channels runs 6 rows at a time (12
+ * accumulators, 2 weight registers, 1 broadcast: the classic 6x16 AVX2 shape, compute-bound). */
+#include <stdint.h>
+
+#include "unroll.h"
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define NR 32     /* channels per packed tile (F32_NR in cpu_kernels.c) */
+#define HALF 16   /* channels per half tile */
+#define MR_HALF 6 /* rows per half-tile block */
+
+/* 8 lanes of sums + bias -> y[0, n) (n <= 8: the real channels left); by value, so the accumulators stay in
+ * registers (an array of them passed by address made gcc store all twelve every iteration) */
+static inline void store8(__m256 acc, const float *bias, float *y, int n) {
+    if (n >= 8) {
+        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, acc);
+    for (int c = 0; c < n; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);
+}
+
+/* lanes [8 v, 8 v + 8) of a row's sums */
+static inline void store_lanes(__m256 acc, int v, const float *bias, float *y, int real) {
+    if (8 * v < real) store8(acc, bias ? bias + 8 * v : NULL, y + 8 * v, real - 8 * v);
+}
+
+/* rows [0, MR) (MR <= 2) against a whole tile */
+static inline __attribute__((always_inline)) void full_block(const float *x, int64_t xs, const float *tile,
+                                                            int64_t K, const float *bias, float *y, int64_t ys,
+                                                            int real, const int MR) {
+    __m256 a[2][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++)
+        for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *wp = tile + k * NR;
+        _mm_prefetch((const char *)(wp + NR * 8), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + NR * 8 + 16), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+        const __m256 w2 = _mm256_loadu_ps(wp + 16), w3 = _mm256_loadu_ps(wp + 24);
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
+            a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(xb, w2, a[i][2]);
+            a[i][3] = _mm256_fmadd_ps(xb, w3, a[i][3]);
+        }
+    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++)
+        for (int v = 0; v < 4; v++) store_lanes(a[i][v], v, bias, y + i * ys, real);
+}
+
+/* rows [0, MR) (MR <= 6) against one half tile: `half` points at the tile's channel h * 16, rows stride NR */
+static inline __attribute__((always_inline)) void half_block(const float *x, int64_t xs, const float *half,
+                                                            int64_t K, const float *bias, float *y, int64_t ys,
+                                                            int real, const int MR) {
+    __m256 a0[MR_HALF], a1[MR_HALF];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *wp = half + k * NR;
+        _mm_prefetch((const char *)(wp + NR * 8), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
+            a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);
+            a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);
+        }
+    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+        store_lanes(a0[i], 0, bias, y + i * ys, real);
+        store_lanes(a1[i], 1, bias, y + i * ys, real);
+    }
+}
+
+#define HALF_CASE(R) case R: half_block(x, xs, half, K, bias, y, ys, real, R); break;
+static void half_rows(const float *x, int64_t xs, const float *half, int64_t K, const float *bias, float *y,
+                      int64_t ys, int real, int64_t mr) {
+    switch (mr) {
+    HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5)
+    default: half_block(x, xs, half, K, bias, y, ys, real, MR_HALF);
+    }
+}
+
+/* every row of x against tile t (`real` of its NR channels are outputs) */
+static void tile_rows(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
+                      int64_t N, int real, int64_t M) {
+    if (M <= 2) {
+        if (M == 1) full_block(x, xs, tile, K, bias, y, N, real, 1);
+        else full_block(x, xs, tile, K, bias, y, N, real, 2);
+        return;
+    }
+    for (int h = 0; h < 2 && h * HALF < real; h++) {
+        const int half_real = real - h * HALF < HALF ? real - h * HALF : HALF;
+        const float *hb = bias ? bias + h * HALF : NULL;
+        for (int64_t m = 0; m < M; m += MR_HALF)
+            half_rows(x + m * xs, xs, tile + h * HALF, K, hb, y + m * N + h * HALF, N, half_real,
+                      M - m < MR_HALF ? M - m : MR_HALF);
+    }
+}
+#endif
+
+int llmd_has_f32_linear_avx2(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* llmd_f32_linear's contract (y[M, N] = x @ w^T + bias, w as llmd_f32_pack made it) on AVX2; -2 without it.
+ * Threads split the channel tiles, as in the AVX-512 kernel. */
+int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
+                         int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (nthreads < 1 || M < 1) return -1;
+    const int64_t tiles = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
+        tile_rows(x, x_stride, packed + t * NR * K, K, bias ? bias + t * NR : NULL, y + t * NR, N, real, M);
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
+}
