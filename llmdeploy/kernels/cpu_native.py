@@ -33,6 +33,7 @@ SOURCES = tuple(
     for name in (
         "cpu_kernels.c",
         "f32_linear_avx2.c",
+        "q_linear_avx2.c",
         "amx_linear.c",
         "prefill_attention.c",
         "decode_step.c",
@@ -101,6 +102,8 @@ SIGNATURES = {
     "llmd_has_avx512_vnni": [],
     "llmd_q_pack": [c_int, c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_q_linear": Q_LINEAR_ARGS,
+    "llmd_q_linear_avx2": Q_LINEAR_ARGS,
+    "llmd_has_q_linear_avx2": [],
     "llmd_qv_linear": Q_LINEAR_ARGS,
     "llmd_q_bf16_linear": Q_LINEAR_ARGS,
     "llmd_q_unpack": [c_int, c_int, c_ptr, c_int64, c_int64, c_ptr],

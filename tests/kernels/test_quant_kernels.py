@@ -66,6 +66,46 @@ def test_float_kernel_equals_the_dequantized_product(fmt, rows, bias, monkeypatc
     torch.testing.assert_close(cpu_native.q_linear(x, packed, b).double(), ref, atol=1e-4, rtol=1e-5)
 
 
+needs_avx2 = pytest.mark.skipif(
+    not (cpu_native.available() and cpu_native.library().llmd_has_q_linear_avx2()),
+    reason="the AVX2 kernel needs AVX2 + FMA + F16C",
+)
+
+
+@needs_avx2
+@pytest.mark.parametrize("fmt", list(QFormat))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n", [70, 90])  # last tile: 6 channels (no second half), 26 (a partial second half)
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_kernel_equals_the_dequantized_product(fmt, rows, n, bias):
+    """The AVX2 kernel (what llmd_q_linear runs on AVX2 CPUs without AVX-512), called directly so AVX-512 machines
+    check it too: x @ dequantized(w)^T, leading dims and a row stride; nothing written past the outputs."""
+    k = 96
+    w = random_blocks(fmt, n, k, seed=rows + n)
+    b = torch.randn(n) if bias else None
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=False)
+    x = torch.randn(2, rows, 2 * k)[..., :k]
+    out = torch.full((2 * rows + 1, n), 7.0)
+    rc = cpu_native.library().llmd_q_linear_avx2(
+        int(fmt),
+        x.data_ptr(),
+        x.stride(1),
+        packed.data.data_ptr(),
+        None if b is None else b.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        k,
+        2,
+    )
+    assert rc == 0
+    ref = torch.nn.functional.linear(
+        x[0].double(), w.dequantize().double(), None if b is None else b.double()
+    )
+    torch.testing.assert_close(out[:rows].double(), ref, atol=1e-4, rtol=1e-5)
+    assert bool((out[rows:] == 7.0).all())
+
+
 needs_bf16 = pytest.mark.skipif(
     not cpu_native.bf16_linear_available(), reason="the many-row kernel needs AVX-512 BF16"
 )

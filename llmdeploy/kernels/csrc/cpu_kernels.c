@@ -598,9 +598,16 @@ static void q_rows(int fmt, const float *x, int64_t xs, const float *xsum, const
 /* y[M, N] (contiguous) = x[M, K] float32 (row stride x_stride) @ w[N, K]^T (+ bias[N]), w packed by llmd_q_pack.
  * Threads split the channel tiles; a tile meets every row block while it is in L1, so the weights are read from
  * memory once per call. */
+int llmd_q_linear_avx2(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                       int); /* q_linear_avx2.c: this contract on AVX2 + FMA + F16C, -2 without them */
+
 int llmd_q_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                   int64_t M, int64_t N, int64_t K, int nthreads) {
     if (K % QB || nthreads < 1 || M < 1 || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
+#if !defined(__AVX512F__)
+    /* AVX2: dequantized in registers (the two-sum scheme below spills 16 AVX2 registers at any row count) */
+    if (llmd_q_linear_avx2(fmt, x, x_stride, packed, bias, y, M, N, K, nthreads) == 0) return 0;
+#endif
     const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, tile_bytes = blocks * q_block_bytes(fmt);
     float *xsum = NULL;
     if (fmt == Q_FMT_Q4) {

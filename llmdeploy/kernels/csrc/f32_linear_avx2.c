@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void full_block(const float *x, int
                                                             int real, const int MR) {
     __m256 a[2][4];
     ROWS_UNROLLED for (int i = 0; i < MR; i++)
-        for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
+        ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *wp = tile + k * NR;
         _mm_prefetch((const char *)(wp + NR * 8), _MM_HINT_T0);
@@ -56,7 +56,7 @@ static inline __attribute__((always_inline)) void full_block(const float *x, int
         }
     }
     ROWS_UNROLLED for (int i = 0; i < MR; i++)
-        for (int v = 0; v < 4; v++) store_lanes(a[i][v], v, bias, y + i * ys, real);
+        ROWS_UNROLLED for (int v = 0; v < 4; v++) store_lanes(a[i][v], v, bias, y + i * ys, real);
 }
 
 /* rows [0, MR) (MR <= 6) against one half tile: `half` points at the tile's channel h * 16, rows stride NR */
@@ -90,8 +90,9 @@ static void half_rows(const float *x, int64_t xs, const float *half, int64_t K, 
     }
 }
 
-/* every row of x against tile t (`real` of its NR channels are outputs) */
-static void tile_rows(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
+/* every row of x against one packed tile (`real` of its NR channels are outputs; y and bias at its first channel);
+ * also the many-row path of q_linear_avx2.c, over a tile it dequantized */
+void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                       int64_t N, int real, int64_t M) {
     if (M <= 2) {
         if (M == 1) full_block(x, xs, tile, K, bias, y, N, real, 1);
@@ -126,7 +127,7 @@ int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, 
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
         const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
-        tile_rows(x, x_stride, packed + t * NR * K, K, bias ? bias + t * NR : NULL, y + t * NR, N, real, M);
+        llmd_f32_tile_rows_avx2(x, x_stride, packed + t * NR * K, K, bias ? bias + t * NR : NULL, y + t * NR, N, real, M);
     }
     return 0;
 #else

@@ -1,0 +1,201 @@
+/* The block-quantized linear (Q8 / Q4, the float kernel's layout from llmd_q_pack with vnni = 0) on AVX2 + FMA CPUs
+ * without AVX-512: the same contract as llmd_q_linear in cpu_kernels.c, which hands its calls here on such CPUs.
+ *
+ * Why its own kernel: the portable one keeps two sums per channel (x . q per block, then d times it) in 16-lane
+ * pairs of AVX2 registers, 8 registers a row, so on AVX2's 16 registers it spills at any row count and ran one
+ * SmolLM2 decode step slower in int8 than in float32 (Zen 2: 22 vs 20 ms). Here each weight is dequantized in a
+ * register, w = d * q (+ m), exactly the float32 value a dequantizing loader computes (d * q is exact in float32; Q4
+ * adds m in the one rounding of an FMA), and multiplied as the float32 linear does (f32_linear_avx2.c): one or two
+ * rows against the whole 32-channel tile, from three rows 6-row blocks against each 16-channel half, so the
+ * dequantizing is shared by up to 6 rows. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "unroll.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#define QB 32      /* inputs per block */
+#define NR 32      /* channels per tile */
+#define MR_HALF 6  /* rows per half-tile block */
+#ifndef DEQUANT_MIN_ROWS
+/* From how many rows each tile is dequantized once per call instead of per row block. Zen 2, 2 threads, Q8, 32
+ * of SmolLM2's projections, dequantized tile / in registers: 8 rows 1.14x, 12 0.98x, 16 1.07x, 24 0.83x, 32 0.81x,
+ * 128 0.71x the time. */
+#define DEQUANT_MIN_ROWS 20
+#endif
+enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in cpu_kernels.c */
+
+static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
+
+/* the block header's float16 d (and Q4's m) of the 32 channels -> float32 dm[0, 32) (and dm[32, 64)) */
+static inline void block_scales(int fmt, const uint8_t *hdr, float *dm) {
+    for (int v = 0; v < (fmt == Q4 ? 8 : 4); v++)
+        _mm256_storeu_ps(dm + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * v))));
+}
+
+/* the weights of channels [c0, c0 + 8) (c0 a multiple of 8) for block input kk, in float32 */
+static inline __attribute__((always_inline)) __m256 dequant8(const int fmt, const uint8_t *qs, int64_t kk, int c0,
+                                                             const float *dm) {
+    if (fmt == Q8) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 32 + c0)));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(dm + c0));
+    }
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 16 + (c0 & 15))));
+    const __m256i q = c0 < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(dm + c0), _mm256_loadu_ps(dm + 32 + c0));
+}
+
+/* 8 lanes of sums + bias -> y[0, n), n the real channels left (by value: accumulators stay in registers) */
+static inline void store8(__m256 acc, const float *bias, float *y, int n) {
+    if (n >= 8) {
+        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, acc);
+    for (int c = 0; c < n; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);
+}
+
+static inline void store_lanes(__m256 acc, int c0, const float *bias, float *y, int real) {
+    if (c0 < real) store8(acc, bias ? bias + c0 : NULL, y + c0, real - c0);
+}
+
+static inline void prefetch_ahead(const uint8_t *hdr, int64_t bb, int64_t kk) {
+    if (kk * 64 < bb) __builtin_prefetch(hdr + 4 * bb + kk * 64, 0, 3); /* four blocks ahead, a line per input */
+}
+
+/* rows [0, MR) (MR <= 2) against the whole tile of channels [0, 32) */
+static inline __attribute__((always_inline)) void full_block(const int fmt, const float *x, int64_t xs,
+                                                            const uint8_t *tile, int64_t K, const float *bias,
+                                                            float *y, int64_t ys, int real, const int MR) {
+    __m256 a[2][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QB; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
+        float dm[64];
+        block_scales(fmt, hdr, dm);
+        for (int64_t kk = 0; kk < QB; kk++) {
+            prefetch_ahead(hdr, bb, kk);
+            const __m256 w0 = dequant8(fmt, qs, kk, 0, dm), w1 = dequant8(fmt, qs, kk, 8, dm);
+            const __m256 w2 = dequant8(fmt, qs, kk, 16, dm), w3 = dequant8(fmt, qs, kk, 24, dm);
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+                const __m256 xb = _mm256_broadcast_ss(x + i * xs + b * QB + kk);
+                a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
+                a[i][2] = _mm256_fmadd_ps(xb, w2, a[i][2]);
+                a[i][3] = _mm256_fmadd_ps(xb, w3, a[i][3]);
+            }
+        }
+    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++)
+        store_lanes(a[i][v], 8 * v, bias, y + i * ys, real);
+}
+
+/* rows [0, MR) (MR <= 6) against channels [c0, c0 + 16) of the tile (c0 = 0 or 16) */
+static inline __attribute__((always_inline)) void half_block(const int fmt, const float *x, int64_t xs,
+                                                            const uint8_t *tile, int64_t K, int c0,
+                                                            const float *bias, float *y, int64_t ys, int real,
+                                                            const int MR) {
+    __m256 a0[MR_HALF], a1[MR_HALF];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QB; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
+        float dm[64];
+        block_scales(fmt, hdr, dm);
+        for (int64_t kk = 0; kk < QB; kk++) {
+            prefetch_ahead(hdr, bb, kk);
+            const __m256 w0 = dequant8(fmt, qs, kk, c0, dm), w1 = dequant8(fmt, qs, kk, c0 + 8, dm);
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+                const __m256 xb = _mm256_broadcast_ss(x + i * xs + b * QB + kk);
+                a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);
+            }
+        }
+    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+        store_lanes(a0[i], c0, bias, y + i * ys, real);
+        store_lanes(a1[i], c0 + 8, bias, y + i * ys, real);
+    }
+}
+
+void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
+                             int64_t); /* f32_linear_avx2.c */
+
+/* the tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR] */
+static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QB; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
+        float dm[64];
+        block_scales(fmt, hdr, dm);
+        for (int64_t kk = 0; kk < QB; kk++)
+            for (int c0 = 0; c0 < NR; c0 += 8) {
+                const __m256 w = fmt == Q4 ? dequant8(Q4, qs, kk, c0, dm) : dequant8(Q8, qs, kk, c0, dm);
+                _mm256_storeu_ps(wt + (b * QB + kk) * NR + c0, w);
+            }
+    }
+}
+
+#define FULL(F, R) full_block(F, x, xs, tile, K, bias, y, N, real, R)
+#define HALF(F, R) half_block(F, x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, R)
+#define HALF_CASE(R) case R: if (fmt == Q4) HALF(Q4, R); else HALF(Q8, R); break;
+
+/* every row of x against one tile; y and bias at the tile's first channel, `real` of its channels are outputs */
+static void tile_rows(int fmt, const float *x, int64_t xs, const uint8_t *tile, int64_t K, const float *bias,
+                      float *y, int64_t N, int real, int64_t M) {
+    if (M <= 2) {
+        if (M == 1) { if (fmt == Q4) FULL(Q4, 1); else FULL(Q8, 1); }
+        else { if (fmt == Q4) FULL(Q4, 2); else FULL(Q8, 2); }
+        return;
+    }
+    for (int c0 = 0; c0 < real; c0 += 16)
+        for (int64_t m = 0; m < M; m += MR_HALF) {
+            switch (M - m < MR_HALF ? M - m : MR_HALF) {
+            HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5)
+            default: if (fmt == Q4) HALF(Q4, MR_HALF); else HALF(Q8, MR_HALF);
+            }
+        }
+}
+#endif
+
+int llmd_has_q_linear_avx2(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* llmd_q_linear's contract on AVX2 + FMA + F16C; -2 without them. Threads split the channel tiles. */
+int llmd_q_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                       int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q8 && fmt != Q4)) return -1;
+    const int64_t tiles = (N + NR - 1) / NR, tile_bytes = (K / QB) * block_bytes(fmt);
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* from DEQUANT_MIN_ROWS rows a tile is dequantized once (into L2) and runs at the float32 kernel's speed */
+        float *wt = M >= DEQUANT_MIN_ROWS ? malloc(sizeof(float) * (size_t)(K * NR)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint8_t *tile = packed + t * tile_bytes;
+            const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
+            const float *tb = bias ? bias + t * NR : NULL;
+            if (wt) {
+                dequant_tile(fmt, tile, K, wt);
+                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, tb, y + t * NR, N, real, M);
+            } else tile_rows(fmt, x, x_stride, tile, K, tb, y + t * NR, N, real, M);
+        }
+        free(wt);
+    }
+    return 0;
+#else
+    (void)fmt; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
+}
