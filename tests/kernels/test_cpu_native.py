@@ -6,6 +6,7 @@ and the fallback when nothing builds."""
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,8 +388,29 @@ def test_argmax_rows_answers_as_torch_does():
     )
 
 
-def test_argmax_rows_portable_build_agrees(tmp_path, monkeypatch):
-    flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
-    monkeypatch.setattr(cpu_native, "library", lambda: cpu_native.load(cpu_native.build(flags, tmp_path)))
+def avx2_cpu() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+MARCHES = [
+    pytest.param("x86-64", id="portable"),
+    # the AVX2 build of an AVX-512 machine's kernels: its AVX2 paths are checked on every machine with AVX2
+    pytest.param(
+        "haswell", id="avx2", marks=pytest.mark.skipif(not avx2_cpu(), reason="needs AVX2 + FMA + F16C")
+    ),
+]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("march", MARCHES)
+def test_argmax_rows_other_builds_agree(march, tmp_path, monkeypatch):
+    flags = tuple(f if f != "-march=native" else f"-march={march}" for f in cpu_native.FLAGS)
+    lib = cpu_native.load(cpu_native.build(flags, tmp_path))
+    assert lib.llmd_has_avx512() == 0 and lib.llmd_has_f32_linear() == (march == "haswell")
+    monkeypatch.setattr(cpu_native, "library", lambda: lib)
     for logits in argmax_cases():
         assert cpu_native.argmax_rows(logits) == logits.argmax(-1).tolist()
+    if march == "haswell":  # llmd_f32_linear dispatches to the AVX2 kernel in that build
+        w, x = torch.randn(70, 45), torch.randn(13, 45)
+        torch.testing.assert_close(cpu_native.f32_linear(x, cpu_native.f32_pack(w), None, 70), x @ w.T)

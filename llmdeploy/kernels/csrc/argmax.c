@@ -5,7 +5,7 @@
  * batch-32 bf16 decode step of SmolLM2, the largest part of the step's overhead outside the model. */
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +43,32 @@ static int64_t row_argmax(const float *x, int64_t n) {
         _mm512_storeu_epi32(bi, at);
         int64_t k = bi[0];
         for (int j = 1; j < 16; j++) /* lanes hold disjoint indices: the largest value, then the smallest index */
+            if (bv[j] > x[k] || (bv[j] == x[k] && bi[j] < k)) k = bi[j];
+        return first_max(x, whole, n, k);
+    }
+#elif defined(__AVX2__)
+    if (n >= 8) { /* the same walk in 8 lanes (AVX2 CPUs: 1.2 ms scalar for [32, 49152] on Zen 2) */
+        __m256 best = _mm256_loadu_ps(x);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i idx = at;
+        const __m256i step = _mm256_set1_epi32(8);
+        int nan = _mm256_movemask_ps(_mm256_cmp_ps(best, best, _CMP_UNORD_Q));
+        const int64_t whole = n / 8 * 8;
+        for (int64_t i = 8; i < whole && !nan; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            idx = _mm256_add_epi32(idx, step);
+            nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ); /* strict: each lane keeps its first */
+            best = _mm256_blendv_ps(best, v, gt);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+        }
+        if (nan || n > INT32_MAX) return first_max(x, 1, n, 0);
+        float bv[8];
+        int32_t bi[8];
+        _mm256_storeu_ps(bv, best);
+        _mm256_storeu_si256((__m256i *)bi, at);
+        int64_t k = bi[0];
+        for (int j = 1; j < 8; j++)
             if (bv[j] > x[k] || (bv[j] == x[k] && bi[j] < k)) k = bi[j];
         return first_max(x, whole, n, k);
     }
