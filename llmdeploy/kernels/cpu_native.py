@@ -40,7 +40,8 @@ SOURCES = tuple(
         "argmax.c",
     )
 )
-HEADERS = (Path(__file__).with_name("csrc") / "unroll.h",)  # in the build key: a change to one rebuilds
+# in the build key too: a change to one rebuilds
+HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("unroll.h", "avx2_store.h"))
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"

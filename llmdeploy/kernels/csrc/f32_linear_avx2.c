@@ -13,6 +13,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "avx2_store.h"
+
 #define NR 32     /* channels per packed tile (F32_NR in cpu_kernels.c) */
 #define HALF 16   /* channels per half tile */
 #define MR_HALF 6 /* rows per half-tile block */
@@ -20,23 +22,6 @@
  * touch, from memory. With row blocks of balanced sizes (32 rows: 6+6+5+5+5+5, not 6+6+6+6+6+2, whose 2-row block
  * costs a 6-row one's time) 0.89x the time at 32 rows, 0.93x at 12 and 64, on Zen 2 (all of SmolLM2's projections) */
 #define PF_DIST 16
-
-/* 8 lanes of sums + bias -> y[0, n) (n <= 8: the real channels left); by value, so the accumulators stay in
- * registers (an array of them passed by address made gcc store all twelve every iteration) */
-static inline void store8(__m256 acc, const float *bias, float *y, int n) {
-    if (n >= 8) {
-        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
-        return;
-    }
-    float tmp[8];
-    _mm256_storeu_ps(tmp, acc);
-    for (int c = 0; c < n; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);
-}
-
-/* lanes [8 v, 8 v + 8) of a row's sums */
-static inline void store_lanes(__m256 acc, int v, const float *bias, float *y, int real) {
-    if (8 * v < real) store8(acc, bias ? bias + 8 * v : NULL, y + 8 * v, real - 8 * v);
-}
 
 /* rows [0, MR) (MR <= 2) against a whole tile */
 static inline __attribute__((always_inline)) void full_block(const float *x, int64_t xs, const float *tile,
@@ -60,7 +45,7 @@ static inline __attribute__((always_inline)) void full_block(const float *x, int
         }
     }
     ROWS_UNROLLED for (int i = 0; i < MR; i++)
-        ROWS_UNROLLED for (int v = 0; v < 4; v++) store_lanes(a[i][v], v, bias, y + i * ys, real);
+        ROWS_UNROLLED for (int v = 0; v < 4; v++) store_lanes(a[i][v], 8 * v, bias, y + i * ys, real);
 }
 
 /* rows [0, MR) (MR <= 6) against one half tile: `half` points at the tile's channel h * 16, rows stride NR */
@@ -82,7 +67,7 @@ static inline __attribute__((always_inline)) void half_block(const float *x, int
     }
     ROWS_UNROLLED for (int i = 0; i < MR; i++) {
         store_lanes(a0[i], 0, bias, y + i * ys, real);
-        store_lanes(a1[i], 1, bias, y + i * ys, real);
+        store_lanes(a1[i], 8, bias, y + i * ys, real);
     }
 }
 

@@ -17,6 +17,8 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "avx2_store.h"
+
 #define QB 32      /* inputs per block */
 #define NR 32      /* channels per tile */
 #define MR_HALF 6  /* rows per half-tile block */
@@ -46,21 +48,6 @@ static inline __attribute__((always_inline)) __m256 dequant8(const int fmt, cons
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + kk * 16 + (c0 & 15))));
     const __m256i q = c0 < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(15)) : _mm256_srli_epi32(b, 4);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(dm + c0), _mm256_loadu_ps(dm + 32 + c0));
-}
-
-/* 8 lanes of sums + bias -> y[0, n), n the real channels left (by value: accumulators stay in registers) */
-static inline void store8(__m256 acc, const float *bias, float *y, int n) {
-    if (n >= 8) {
-        _mm256_storeu_ps(y, bias ? _mm256_add_ps(acc, _mm256_loadu_ps(bias)) : acc);
-        return;
-    }
-    float tmp[8];
-    _mm256_storeu_ps(tmp, acc);
-    for (int c = 0; c < n; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);
-}
-
-static inline void store_lanes(__m256 acc, int c0, const float *bias, float *y, int real) {
-    if (c0 < real) store8(acc, bias ? bias + c0 : NULL, y + c0, real - c0);
 }
 
 static inline void prefetch_ahead(const uint8_t *hdr, int64_t bb, int64_t kk) {
