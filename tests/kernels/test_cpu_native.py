@@ -5,6 +5,7 @@ and the fallback when nothing builds."""
 
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
@@ -229,15 +230,26 @@ def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
             torch.testing.assert_close(packed(x), lin(x), atol=2e-2, rtol=2e-2)
 
 
+@pytest.fixture(scope="module")
+def build_for(tmp_path_factory):
+    """The kernels built for another x86 target (-march=...), once per module (a build takes ~10 s)."""
+
+    @functools.cache
+    def build(march: str):
+        flags = tuple(f if f != "-march=native" else f"-march={march}" for f in cpu_native.FLAGS)
+        return cpu_native.load(cpu_native.build(flags, tmp_path_factory.mktemp(f"build-{march}")))
+
+    return build
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
-def test_portable_build_without_avx2_agrees(tmp_path, monkeypatch):
+def test_portable_build_without_avx2_agrees(build_for, monkeypatch):
     """The plain-C lanes (no AVX2 intrinsics), built here with a baseline x86-64 target, give the same results."""
     torch.manual_seed(0)
     k, v, bt, cl = paged([33, 300], 3, 64, 16)
     q, w, x = torch.randn(2, 9, 64), quantize_q8(torch.randn(9, 64)), torch.randn(3, 64)
     ref = cpu_native.decode_attention(q, k, v, bt, cl, 0.125)
-    flags = tuple(f if f != "-march=native" else "-march=x86-64" for f in cpu_native.FLAGS)
-    lib = cpu_native.load(cpu_native.build(flags, tmp_path))
+    lib = build_for("x86-64")
     assert lib.llmd_has_avx2() == 0 and lib.llmd_has_avx512() == 0
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
@@ -404,9 +416,8 @@ MARCHES = [
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
 @pytest.mark.parametrize("march", MARCHES)
-def test_argmax_rows_other_builds_agree(march, tmp_path, monkeypatch):
-    flags = tuple(f if f != "-march=native" else f"-march={march}" for f in cpu_native.FLAGS)
-    lib = cpu_native.load(cpu_native.build(flags, tmp_path))
+def test_argmax_rows_other_builds_agree(march, build_for, monkeypatch):
+    lib = build_for(march)
     assert lib.llmd_has_avx512() == 0 and lib.llmd_has_f32_linear() == (march == "haswell")
     monkeypatch.setattr(cpu_native, "library", lambda: lib)
     for logits in argmax_cases():
