@@ -8,9 +8,10 @@ the engine's figures (issue 13): GEMM GFLOP/s at the model's own shapes per dtyp
     python bench/ceilings.py [--dtypes float32,bfloat16] [--json out.json]     # ~10-30 s
 
 The GEMM peak is the fastest of torch's two CPU paths (MKL `F.linear`, oneDNN packed weights) and this project's
-native kernel (kernels/cpu_native.py, where it runs at that dtype) at 4096 rows x the MLP's shape; the per-shape rates (1, 32 and 2048 rows over all projections and the LM head) give a second,
-shape-aware compute floor that small decode batches can actually approach. Every figure is the best of several
-repetitions: on a shared machine the least disturbed one.
+native kernel (kernels/cpu_native.py, where it runs at that dtype) at 4096 rows x the MLP's shape; the per-shape
+rates (1, 32 and 2048 rows over all projections and the LM head) give a second, shape-aware compute floor that
+small decode batches can actually approach. Every figure is the best of several repetitions: on a shared machine
+the least disturbed one.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class PackedLinear(nn.Module):
     """A loaded nn.Linear whose weight is reordered once into a GEMM's blocked layout (CPU only): the native
     kernels' tiles where the CPU has AVX-512 or AVX2 + FMA (float32) or AVX-512 BF16 (bfloat16)
     (kernels/cpu_native.py: 1.4-1.6x oneDNN at one row on Zen 4, where decode is bandwidth-bound, and on par at 2048
-    rows; the AVX2 kernel 1.2-1.3x oneDNN's speed at every row count on Zen 2; bench/RESULTS.md), else oneDNN's.
+    rows; the AVX2 kernel 0.70-0.92x oneDNN's time at 1-512 rows on Zen 2; bench/RESULTS.md), else oneDNN's.
 
     oneDNN against torch's MKL path (2 threads, float32): 2x faster from 4 rows up (the LM head at 32 rows:
     21 ms -> 7 ms) and 1.4x at one row; bfloat16 gains 1.1-3x. Same fp32 accuracy (different summation order)."""

@@ -15,10 +15,10 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-
-#include "unroll.h"
 #include <stdlib.h>
 #include <string.h>
+
+#include "unroll.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -1,82 +1,48 @@
 /* The float32 linear on AVX2 + FMA CPUs without AVX-512 (AMD Zen 2/3, older Xeons), over the same packed layout as
  * the AVX-512 kernel (llmd_f32_pack: tiles of 32 channels, k-major): packs are interchangeable between the two.
  *
- * Why its own micro-kernels: AVX2 has 16 vector registers of 8 floats, so the AVX-512 kernel's 12 rows x 32
- * channels do not fit. One or two rows take the whole 32-channel tile (4 accumulators a row: one sequential stream,
- * the bandwidth-bound decode case); from three rows each half tile of 16 channels runs 6 rows at a time (12
- * accumulators, 2 weight registers, 1 broadcast: the classic 6x16 AVX2 shape, compute-bound). */
+ * Why its own micro-kernel: AVX2 has 16 vector registers of 8 floats, so the AVX-512 kernel's 12 rows x 32
+ * channels do not fit; the block shapes it uses instead are in avx2_tiles.h. */
 #include <stdint.h>
+#include <string.h>
 
 #include "unroll.h"
-#include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#include "avx2_store.h"
+#include "avx2_tiles.h"
 
-#define NR 32     /* channels per packed tile (F32_NR in cpu_kernels.c) */
-#define HALF 16   /* channels per half tile */
-#define MR_HALF 6 /* rows per half-tile block */
-/* k-rows ahead a half block prefetches, both halves' lines: the first half's first row block is the tile's first
- * touch, from memory. With row blocks of balanced sizes (32 rows: 6+6+5+5+5+5, not 6+6+6+6+6+2, whose 2-row block
- * costs a 6-row one's time) 0.89x the time at 32 rows, 0.93x at 12 and 64, on Zen 2 (all of SmolLM2's projections) */
-#define PF_DIST 16
-
-/* rows [0, MR) (MR <= 2) against a whole tile */
-static inline __attribute__((always_inline)) void full_block(const float *x, int64_t xs, const float *tile,
-                                                            int64_t K, const float *bias, float *y, int64_t ys,
-                                                            int real, const int MR) {
-    __m256 a[2][4];
-    ROWS_UNROLLED for (int i = 0; i < MR; i++)
-        ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
+/* rows [0, MR) against channels [c0, c0 + 8 NV) of a tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
+ * MR <= MR_HALF). Both lines of a k-row are prefetched PF rows ahead; a half block's 16 (0.93x the time of 8 at 12
+ * and 64 rows on Zen 2) because the first half's first block is the tile's first touch, from memory. */
+static inline __attribute__((always_inline)) void rows_block(const float *x, int64_t xs, const float *tile, int64_t K,
+                                                            int c0, const float *bias, float *y, int64_t ys,
+                                                            int real, const int MR, const int NV) {
+    const int64_t PF = NV == 4 ? 8 : 16;
+    __m256 a[MR_HALF][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < NV; v++) a[i][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         const float *wp = tile + k * NR;
-        _mm_prefetch((const char *)(wp + NR * 8), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wp + NR * 8 + 16), _MM_HINT_T0);
-        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
-        const __m256 w2 = _mm256_loadu_ps(wp + 16), w3 = _mm256_loadu_ps(wp + 24);
+        _mm_prefetch((const char *)(wp + NR * PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + NR * PF + HALF), _MM_HINT_T0);
+        __m256 w[4];
+        ROWS_UNROLLED for (int v = 0; v < NV; v++) w[v] = _mm256_loadu_ps(wp + c0 + 8 * v);
         ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
-            a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
-            a[i][2] = _mm256_fmadd_ps(xb, w2, a[i][2]);
-            a[i][3] = _mm256_fmadd_ps(xb, w3, a[i][3]);
+            ROWS_UNROLLED for (int v = 0; v < NV; v++) a[i][v] = _mm256_fmadd_ps(xb, w[v], a[i][v]);
         }
     }
-    ROWS_UNROLLED for (int i = 0; i < MR; i++)
-        ROWS_UNROLLED for (int v = 0; v < 4; v++) store_lanes(a[i][v], 8 * v, bias, y + i * ys, real);
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < NV; v++)
+        store_lanes(a[i][v], c0 + 8 * v, bias, y + i * ys, real);
 }
 
-/* rows [0, MR) (MR <= 6) against one half tile: `half` points at the tile's channel h * 16, rows stride NR */
-static inline __attribute__((always_inline)) void half_block(const float *x, int64_t xs, const float *half,
-                                                            int64_t K, const float *bias, float *y, int64_t ys,
-                                                            int real, const int MR) {
-    __m256 a0[MR_HALF], a1[MR_HALF];
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        const float *wp = half + k * NR;
-        _mm_prefetch((const char *)(wp + NR * PF_DIST), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wp + NR * PF_DIST + HALF), _MM_HINT_T0); /* the other half's line, for h = 0 */
-        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
-        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
-            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
-            a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);
-            a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);
-        }
-    }
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
-        store_lanes(a0[i], 0, bias, y + i * ys, real);
-        store_lanes(a1[i], 8, bias, y + i * ys, real);
-    }
-}
-
-#define HALF_CASE(R) case R: half_block(x, xs, half, K, bias, y, ys, real, R); break;
-static void half_rows(const float *x, int64_t xs, const float *half, int64_t K, const float *bias, float *y,
+#define HALF_CASE(R) case R: rows_block(x, xs, tile, K, c0, bias, y, ys, real, R, 2); break;
+static void half_rows(const float *x, int64_t xs, const float *tile, int64_t K, int c0, const float *bias, float *y,
                       int64_t ys, int real, int64_t mr) {
     switch (mr) {
     HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5)
-    default: half_block(x, xs, half, K, bias, y, ys, real, MR_HALF);
+    default: rows_block(x, xs, tile, K, c0, bias, y, ys, real, MR_HALF, 2);
     }
 }
 
@@ -84,18 +50,14 @@ static void half_rows(const float *x, int64_t xs, const float *half, int64_t K, 
  * also the many-row path of q_linear_avx2.c, over a tile it dequantized */
 void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                              int64_t N, int real, int64_t M) {
-    if (M <= 2) {
-        if (M == 1) full_block(x, xs, tile, K, bias, y, N, real, 1);
-        else full_block(x, xs, tile, K, bias, y, N, real, 2);
+    if (M <= MR_FULL) {
+        if (M == 1) rows_block(x, xs, tile, K, 0, bias, y, N, real, 1, 4);
+        else rows_block(x, xs, tile, K, 0, bias, y, N, real, 2, 4);
         return;
     }
-    for (int h = 0; h < 2 && h * HALF < real; h++) {
-        const int half_real = real - h * HALF < HALF ? real - h * HALF : HALF;
-        const float *hb = bias ? bias + h * HALF : NULL;
-        const int64_t blocks = (M + MR_HALF - 1) / MR_HALF, base = M / blocks, extra = M % blocks;
-        for (int64_t j = 0, m = 0; j < blocks; m += base + (j < extra), j++)
-            half_rows(x + m * xs, xs, tile + h * HALF, K, hb, y + m * N + h * HALF, N, half_real, base + (j < extra));
-    }
+    for (int c0 = 0; c0 < real; c0 += HALF)
+        for (int64_t j = 0, m = 0; m < M; m += half_block_rows(M, j), j++)
+            half_rows(x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, half_block_rows(M, j));
 }
 #endif
 

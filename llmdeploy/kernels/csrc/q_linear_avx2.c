@@ -5,9 +5,9 @@
  * pairs of AVX2 registers, 8 registers a row, so on AVX2's 16 registers it spills at any row count and ran one
  * SmolLM2 decode step slower in int8 than in float32 (Zen 2: 22 vs 20 ms). Here each weight is dequantized in a
  * register, w = d * q (+ m), exactly the float32 value a dequantizing loader computes (d * q is exact in float32; Q4
- * adds m in the one rounding of an FMA), and multiplied as the float32 linear does (f32_linear_avx2.c): one or two
- * rows against the whole 32-channel tile, from three rows 6-row blocks against each 16-channel half, so the
- * dequantizing is shared by up to 6 rows. */
+ * adds m in the one rounding of an FMA), and multiplied in the float32 linear's block shapes (avx2_tiles.h), so the
+ * dequantizing is shared by the rows of a block; from DEQUANT_MIN_ROWS rows a tile is dequantized once per call
+ * and run by the float32 kernel itself (f32_linear_avx2.c). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,17 +17,13 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-#include "avx2_store.h"
+#include "avx2_tiles.h"
 
-#define QB 32      /* inputs per block */
-#define NR 32      /* channels per tile */
-#define MR_HALF 6  /* rows per half-tile block */
-#ifndef DEQUANT_MIN_ROWS
+#define QB 32 /* inputs per block */
 /* From how many rows each tile is dequantized once per call instead of per row block. Zen 2, 2 threads, Q8, 32
  * of SmolLM2's projections, dequantized tile / in registers: 8 rows 1.14x, 12 0.98x, 16 1.07x, 24 0.83x, 32 0.81x,
  * 128 0.71x the time. */
 #define DEQUANT_MIN_ROWS 20
-#endif
 enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in cpu_kernels.c */
 
 static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
@@ -54,41 +50,14 @@ static inline void prefetch_ahead(const uint8_t *hdr, int64_t bb, int64_t kk) {
     if (kk * 64 < bb) __builtin_prefetch(hdr + 4 * bb + kk * 64, 0, 3); /* four blocks ahead, a line per input */
 }
 
-/* rows [0, MR) (MR <= 2) against the whole tile of channels [0, 32) */
-static inline __attribute__((always_inline)) void full_block(const int fmt, const float *x, int64_t xs,
-                                                            const uint8_t *tile, int64_t K, const float *bias,
-                                                            float *y, int64_t ys, int real, const int MR) {
-    __m256 a[2][4];
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_setzero_ps();
-    const int64_t bb = block_bytes(fmt);
-    for (int64_t b = 0; b < K / QB; b++) {
-        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
-        float dm[64];
-        block_scales(fmt, hdr, dm);
-        for (int64_t kk = 0; kk < QB; kk++) {
-            prefetch_ahead(hdr, bb, kk);
-            const __m256 w0 = dequant8(fmt, qs, kk, 0, dm), w1 = dequant8(fmt, qs, kk, 8, dm);
-            const __m256 w2 = dequant8(fmt, qs, kk, 16, dm), w3 = dequant8(fmt, qs, kk, 24, dm);
-            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
-                const __m256 xb = _mm256_broadcast_ss(x + i * xs + b * QB + kk);
-                a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
-                a[i][2] = _mm256_fmadd_ps(xb, w2, a[i][2]);
-                a[i][3] = _mm256_fmadd_ps(xb, w3, a[i][3]);
-            }
-        }
-    }
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++)
-        store_lanes(a[i][v], 8 * v, bias, y + i * ys, real);
-}
-
-/* rows [0, MR) (MR <= 6) against channels [c0, c0 + 16) of the tile (c0 = 0 or 16) */
-static inline __attribute__((always_inline)) void half_block(const int fmt, const float *x, int64_t xs,
+/* rows [0, MR) against channels [c0, c0 + 8 NV) of the tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
+ * MR <= MR_HALF) */
+static inline __attribute__((always_inline)) void rows_block(const int fmt, const float *x, int64_t xs,
                                                             const uint8_t *tile, int64_t K, int c0,
                                                             const float *bias, float *y, int64_t ys, int real,
-                                                            const int MR) {
-    __m256 a0[MR_HALF], a1[MR_HALF];
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm256_setzero_ps();
+                                                            const int MR, const int NV) {
+    __m256 a[MR_HALF][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < NV; v++) a[i][v] = _mm256_setzero_ps();
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < K / QB; b++) {
         const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
@@ -96,18 +65,16 @@ static inline __attribute__((always_inline)) void half_block(const int fmt, cons
         block_scales(fmt, hdr, dm);
         for (int64_t kk = 0; kk < QB; kk++) {
             prefetch_ahead(hdr, bb, kk);
-            const __m256 w0 = dequant8(fmt, qs, kk, c0, dm), w1 = dequant8(fmt, qs, kk, c0 + 8, dm);
+            __m256 w[4];
+            ROWS_UNROLLED for (int v = 0; v < NV; v++) w[v] = dequant8(fmt, qs, kk, c0 + 8 * v, dm);
             ROWS_UNROLLED for (int i = 0; i < MR; i++) {
                 const __m256 xb = _mm256_broadcast_ss(x + i * xs + b * QB + kk);
-                a0[i] = _mm256_fmadd_ps(xb, w0, a0[i]);
-                a1[i] = _mm256_fmadd_ps(xb, w1, a1[i]);
+                ROWS_UNROLLED for (int v = 0; v < NV; v++) a[i][v] = _mm256_fmadd_ps(xb, w[v], a[i][v]);
             }
         }
     }
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
-        store_lanes(a0[i], c0, bias, y + i * ys, real);
-        store_lanes(a1[i], c0 + 8, bias, y + i * ys, real);
-    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < NV; v++)
+        store_lanes(a[i][v], c0 + 8 * v, bias, y + i * ys, real);
 }
 
 void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
@@ -128,25 +95,29 @@ static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
     }
 }
 
-#define FULL(F, R) full_block(F, x, xs, tile, K, bias, y, N, real, R)
-#define HALF(F, R) half_block(F, x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, R)
-#define HALF_CASE(R) case R: if (fmt == Q4) HALF(Q4, R); else HALF(Q8, R); break;
+#define ROWS(F, R, NV) rows_block(F, x, xs, tile, K, c0, bias, y, ys, real, R, NV)
+#define ROWS_OF(R, NV) do { if (fmt == Q4) ROWS(Q4, R, NV); else ROWS(Q8, R, NV); } while (0)
+#define HALF_CASE(R) case R: ROWS_OF(R, 2); break;
+static void half_rows(int fmt, const float *x, int64_t xs, const uint8_t *tile, int64_t K, int c0, const float *bias,
+                      float *y, int64_t ys, int real, int64_t mr) {
+    switch (mr) {
+    HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5)
+    default: ROWS_OF(MR_HALF, 2);
+    }
+}
 
 /* every row of x against one tile; y and bias at the tile's first channel, `real` of its channels are outputs */
 static void tile_rows(int fmt, const float *x, int64_t xs, const uint8_t *tile, int64_t K, const float *bias,
-                      float *y, int64_t N, int real, int64_t M) {
-    if (M <= 2) {
-        if (M == 1) { if (fmt == Q4) FULL(Q4, 1); else FULL(Q8, 1); }
-        else { if (fmt == Q4) FULL(Q4, 2); else FULL(Q8, 2); }
+                      float *y, int64_t ys, int real, int64_t M) {
+    if (M <= MR_FULL) {
+        const int c0 = 0;
+        if (M == 1) ROWS_OF(1, 4);
+        else ROWS_OF(2, 4);
         return;
     }
-    for (int c0 = 0; c0 < real; c0 += 16)
-        for (int64_t m = 0; m < M; m += MR_HALF) {
-            switch (M - m < MR_HALF ? M - m : MR_HALF) {
-            HALF_CASE(1) HALF_CASE(2) HALF_CASE(3) HALF_CASE(4) HALF_CASE(5)
-            default: if (fmt == Q4) HALF(Q4, MR_HALF); else HALF(Q8, MR_HALF);
-            }
-        }
+    for (int c0 = 0; c0 < real; c0 += HALF)
+        for (int64_t j = 0, m = 0; m < M; m += half_block_rows(M, j), j++)
+            half_rows(fmt, x + m * xs, xs, tile, K, c0, bias, y + m * ys, ys, real, half_block_rows(M, j));
 }
 #endif
 
