@@ -36,12 +36,15 @@ SOURCES = tuple(
         "q_linear_avx2.c",
         "amx_linear.c",
         "prefill_attention.c",
+        "prefill_attention_f32.c",
         "decode_step.c",
         "argmax.c",
     )
 )
 # in the build key too: a change to one rebuilds
-HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("unroll.h", "avx2_tiles.h"))
+HEADERS = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h")
+)
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
@@ -84,22 +87,25 @@ SIGNATURES = {
         c_float,
         c_int,
     ],
-    "llmd_paged_prefill_attention_bf16": [
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_float,
-        c_int,
-    ],
+    **{
+        f"llmd_paged_prefill_attention_{name}": [
+            c_ptr,
+            c_int64,
+            c_ptr,
+            c_ptr,
+            c_ptr,
+            c_int64,
+            c_int64,
+            c_int64,
+            c_ptr,
+            c_int64,
+            c_int64,
+            c_int64,
+            c_float,
+            c_int,
+        ]
+        for name in ("bf16", "f32")
+    },
     "llmd_has_avx512_vnni": [],
     "llmd_q_pack": [c_int, c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_q_linear": Q_LINEAR_ARGS,
@@ -283,6 +289,14 @@ def decode_attention(
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
+# the prefill attention kernel per cache dtype: bf16 (prefill_attention.c, AVX-512 BF16), float32
+# (prefill_attention_f32.c, AVX2 + FMA)
+PREFILL_KERNELS = {
+    torch.bfloat16: "llmd_paged_prefill_attention_bf16",
+    torch.float32: "llmd_paged_prefill_attention_f32",
+}
+
+
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,17 +305,18 @@ def prefill_attention(
     context_len: int,
     scale: float,
 ) -> torch.Tensor | None:
-    """One sequence's prefill chunk, query [n, H, D] bf16 (the last n of context_len positions, their K/V stored)
-    against its bf16 cache read in place (kernels/csrc/prefill_attention.c, AVX-512 BF16); None where it does not
-    apply, so the caller keeps the torch path."""
+    """One sequence's prefill chunk, query [n, H, D] (the last n of context_len positions, their K/V stored) against
+    its cache read in place, query and cache both bf16 or both float32; None where no kernel applies (another
+    dtype, a CPU without the kernel's instructions, a head dim it does not take), so the caller keeps the torch
+    path."""
     n, num_heads, head_dim = query.shape
+    kernel = PREFILL_KERNELS.get(query.dtype)
     if (
-        query.device.type != "cpu"
-        or query.dtype != torch.bfloat16
-        or k_cache.dtype != torch.bfloat16
-        or v_cache.dtype != torch.bfloat16
+        kernel is None
+        or query.device.type != "cpu"
+        or k_cache.dtype != query.dtype
+        or v_cache.dtype != query.dtype
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or head_dim % 64
         or not 0 < n <= context_len
     ):
         return None
@@ -311,8 +326,8 @@ def prefill_attention(
     q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     table = table.contiguous()
-    out = torch.empty(n, num_heads, head_dim, dtype=torch.bfloat16)
-    rc = lib.llmd_paged_prefill_attention_bf16(
+    out = torch.empty(n, num_heads, head_dim, dtype=query.dtype)
+    rc = getattr(lib, kernel)(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),

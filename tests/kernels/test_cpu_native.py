@@ -257,6 +257,8 @@ def test_portable_build_without_avx2_agrees(build_for, monkeypatch):
     assert (
         cpu_native.prefill_attention(q[:1].bfloat16(), kb, vb, btb[0], 40, 0.125) is None
     )  # AVX-512 BF16 only
+    kf, vf, btf, _ = paged([40], 3, 64, 16)
+    assert cpu_native.prefill_attention(q[:1], kf, vf, btf[0], 40, 0.125) is None  # AVX2 + FMA only
     assert not cpu_native.q_vnni_available()  # the block-quantized linear: its float32 kernel
     lin = cpu_native.q_linear(x, cpu_native.q_pack(w.fmt, w.q, w.d, None), None)
     torch.testing.assert_close(lin, torch.nn.functional.linear(x, w.dequantize()), atol=1e-5, rtol=1e-5)

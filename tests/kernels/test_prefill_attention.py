@@ -1,5 +1,6 @@
-"""The native bf16 prefill attention (kernels/csrc/prefill_attention.c) against the float64 definition and the torch
-path it replaces: causal chunks at any position of a context read in place from scattered cache blocks."""
+"""The native prefill attention, bf16 (kernels/csrc/prefill_attention.c, AVX-512 BF16) and float32
+(prefill_attention_f32.c, AVX2 + FMA), against the float64 definition and the torch path it replaces: causal chunks
+at any position of a context read in place from scattered cache blocks."""
 
 from __future__ import annotations
 
@@ -10,12 +11,26 @@ from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels import reference as ops
 from tests.kernels.test_cpu_native import paged
 
-pytestmark = [
-    pytest.mark.skipif(
+pytestmark = pytest.mark.usefixtures("two_threads")
+
+BF16 = pytest.param(
+    torch.bfloat16,
+    id="bf16",
+    marks=pytest.mark.skipif(
         not cpu_native.bf16_linear_available(), reason="the native bf16 prefill attention needs AVX-512 BF16"
     ),
-    pytest.mark.usefixtures("two_threads"),
-]
+)
+F32 = pytest.param(
+    torch.float32,
+    id="f32",
+    marks=pytest.mark.skipif(
+        not (cpu_native.available() and cpu_native.library().llmd_has_avx2()),
+        reason="the native float32 prefill attention needs AVX2 + FMA",
+    ),
+)
+# bf16: output rounding (2^-9 relative) plus the probabilities' rounding to bf16 (2^-9 of |v| <= ~4 where a row sees
+# few keys and their values cancel); float32: summation order only
+TOLERANCE = {torch.bfloat16: 8e-3, torch.float32: 2e-5}
 
 CASES = [  # (chunk length, context length, kv heads, group, head dim, block size)
     (1, 1, 3, 3, 64, 16),  # a one-token prompt
@@ -37,29 +52,29 @@ def definition(q, k_cache, v_cache, table, ctx, scale) -> torch.Tensor:
     return ops.causal_attention(q.double(), k, v, ctx - q.shape[0], scale)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("n,ctx,hkv,group,head_dim,block_size", CASES)
-def test_prefill_matches_the_definition_and_the_torch_path(n, ctx, hkv, group, head_dim, block_size):
-    k, v, bt, _ = paged([ctx], hkv, head_dim, block_size, torch.bfloat16, seed=n + ctx)
-    q = torch.randn(n, hkv * group, head_dim, generator=torch.Generator().manual_seed(ctx)).bfloat16()
+def test_prefill_matches_the_definition_and_the_torch_path(dtype, n, ctx, hkv, group, head_dim, block_size):
+    k, v, bt, _ = paged([ctx], hkv, head_dim, block_size, dtype, seed=n + ctx)
+    q = torch.randn(n, hkv * group, head_dim, generator=torch.Generator().manual_seed(ctx)).to(dtype)
     scale = head_dim**-0.5
     out = cpu_native.prefill_attention(q, k, v, bt[0], ctx, scale)
-    assert out is not None and out.shape == q.shape and out.dtype == torch.bfloat16
+    assert out is not None and out.shape == q.shape and out.dtype == dtype
     ref = definition(q, k, v, bt[0], ctx, scale)
-    # bf16 output rounding (2^-9 relative) plus the probabilities' rounding to bf16 (2^-9 of |v| <= ~4 where a
-    # row sees few keys and their values cancel)
-    torch.testing.assert_close(out.double(), ref, atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(out.double(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     torch_path = ops.causal_attention(
         q, ops.gather_kv(k, bt[:1], ctx)[0], ops.gather_kv(v, bt[:1], ctx)[0], ctx - n, scale
     )
     assert (out.double() - ref).abs().mean() <= 1.5 * (torch_path.double() - ref).abs().mean() + 1e-4
 
 
-def test_prefill_op_runs_every_sequence_of_a_step_natively(monkeypatch):
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_prefill_op_runs_every_sequence_of_a_step_natively(dtype, monkeypatch):
     """paged_prefill_attention over three chunks (one a prefix-cache hit on another's blocks): the native kernel
     answers each, and the whole step agrees with the torch path."""
     lens, chunks = [40, 260, 9], [40, 32, 9]
-    k, v, bt, cl = paged(lens, 3, 64, 16, torch.bfloat16, share=2)
-    q = torch.randn(sum(chunks), 9, 64).bfloat16()
+    k, v, bt, cl = paged(lens, 3, 64, 16, dtype, share=2)
+    q = torch.randn(sum(chunks), 9, 64).to(dtype)
     cu = torch.tensor([0, 40, 72, 81], dtype=torch.int32)
     calls = []
     native = cpu_native.prefill_attention
@@ -68,12 +83,14 @@ def test_prefill_op_runs_every_sequence_of_a_step_natively(monkeypatch):
     assert len(calls) == 3
     monkeypatch.setattr(cpu_native, "prefill_attention", lambda *a: None)
     torch_path = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)
-    torch.testing.assert_close(out.float(), torch_path.float(), atol=2e-2, rtol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), torch_path.float(), atol=tol, rtol=tol)
 
 
-def test_prefill_reads_a_strided_query():
-    k, v, bt, _ = paged([50], 3, 64, 16, torch.bfloat16)
-    qkv = torch.randn(20, 9 + 6, 64).bfloat16()
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_prefill_reads_a_strided_query(dtype):
+    k, v, bt, _ = paged([50], 3, 64, 16, dtype)
+    qkv = torch.randn(20, 9 + 6, 64).to(dtype)
     q = qkv[:, :9]  # a view into the fused qkv output, as the model passes it
     torch.testing.assert_close(
         cpu_native.prefill_attention(q, k, v, bt[0], 50, 0.125),
@@ -83,7 +100,8 @@ def test_prefill_reads_a_strided_query():
     )
 
 
-def test_prefill_declines_what_it_does_not_cover():
+@pytest.mark.parametrize("dtype", [BF16])
+def test_prefill_declines_what_it_does_not_cover(dtype):
     k, v, bt, cl = paged([20], 2, 64, 16, torch.bfloat16)
     q = torch.randn(8, 4, 64).bfloat16()
     assert cpu_native.prefill_attention(q.float(), k, v, bt[0], 20, 0.125) is None  # a float32 query
@@ -98,3 +116,19 @@ def test_prefill_declines_what_it_does_not_cover():
     torch.testing.assert_close(
         out.double(), definition(q80, k80, v80, bt80[0], 20, 0.125), atol=8e-3, rtol=8e-3
     )
+
+
+@pytest.mark.parametrize("dtype", [F32])
+def test_float32_prefill_declines_what_it_does_not_cover(dtype):
+    k, v, bt, cl = paged([20], 2, 72, 16)
+    q = torch.randn(8, 4, 72)
+    assert (
+        cpu_native.prefill_attention(q, k, v, bt[0], 20, 0.125) is None
+    )  # head dim 72: not whole 16-dim columns
+    assert cpu_native.prefill_attention(q.half(), k.half(), v.half(), bt[0], 20, 0.125) is None  # float16
+    assert (
+        cpu_native.prefill_attention(q[:, :3], k, v, bt[0], 20, 0.125) is None
+    )  # 3 query heads on 2 kv heads
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    out = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)  # the op answers through the torch path
+    torch.testing.assert_close(out.double(), definition(q, k, v, bt[0], 20, 0.125), atol=1e-5, rtol=1e-5)

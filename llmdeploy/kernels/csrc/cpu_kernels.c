@@ -22,6 +22,8 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "avx2_exp.h"
 #define LLMD_AVX2 1
 typedef __m256 v8;
 static inline v8 v8_load(const float *p) { return _mm256_loadu_ps(p); }
@@ -59,23 +61,7 @@ static inline v8 v8_hsum8(const v8 *a) {
     __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
     return _mm256_add_ps(lo, hi);
 }
-/* Cephes-style expf: range reduction by ln 2 and a degree-6 polynomial, ~1-2 ulp over the softmax range */
-static inline v8 v8_exp(v8 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, v8_set1(-87.3f)), v8_set1(88.3f));
-    v8 fx = _mm256_round_ps(v8_fma(x, v8_set1(1.44269504088896341f), v8_set1(0.5f)),
-                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = v8_fma(fx, v8_set1(-0.693359375f), x);
-    x = v8_fma(fx, v8_set1(2.12194440e-4f), x);
-    v8 y = v8_set1(1.9875691500e-4f);
-    y = v8_fma(y, x, v8_set1(1.3981999507e-3f));
-    y = v8_fma(y, x, v8_set1(8.3334519073e-3f));
-    y = v8_fma(y, x, v8_set1(4.1665795894e-2f));
-    y = v8_fma(y, x, v8_set1(1.6666665459e-1f));
-    y = v8_fma(y, x, v8_set1(5.0000001201e-1f));
-    y = v8_fma(y, v8_mul(x, x), v8_add(x, v8_set1(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return v8_mul(y, _mm256_castsi256_ps(e));
-}
+static inline v8 v8_exp(v8 x) { return avx2_exp(x); }
 #else
 #define LLMD_AVX2 0
 typedef struct {
