@@ -131,9 +131,10 @@ static inline v8 v8_exp(v8 x) {
 
 int llmd_has_avx2(void) { return LLMD_AVX2; }
 
-#define MAX_GROUP 8 /* query heads per kv head in one P.V walk (pv_dispatch splits wider groups) */
+#define MAX_GROUP 8 /* query heads per kv head in one register block (wider groups run in blocks of 8) */
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 512
+#define PV_PREFETCH 4 /* tokens ahead whose V row P.V prefetches */
 
 /* ---------------------------------------------------------------- decode attention */
 
@@ -149,78 +150,93 @@ typedef struct {
     float scale;
 } DecodeArgs;
 
-/* [p, p + bytes), every other cache line: the hardware fetches lines in pairs */
-static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(p + off, 0, 3);
-}
-
 /* K/V of one token, all kv heads: Hkv * D elements, contiguous in the cache */
 static inline const char *token_row(const DecodeArgs *a, const void *cache, int64_t slot) {
     const int64_t esize = a->cache_bf16 ? 2 : 4;
     return (const char *)cache + slot * a->num_kv_heads * a->head_dim * esize;
 }
 
-static inline v8 load_elems(const DecodeArgs *a, const char *row, int64_t i) {
-    return a->cache_bf16 ? v8_load_bf16((const uint16_t *)row + i) : v8_load((const float *)row + i);
+static inline v8 load_elems(const int bf16, const char *row, int64_t i) {
+    return bf16 ? v8_load_bf16((const uint16_t *)row + i) : v8_load((const float *)row + i);
 }
 
-/* acc[g * D + d] = sum_i p[g * ps + i] * v[slots[i]][h][d] for kv head h. Walks the tokens once per NV * 8 head
- * dims with the G * NV accumulators in registers. G, NV and BF16 are constants where it is inlined (pv_dispatch):
- * no branch is left in the token loop. */
-static inline __attribute__((always_inline)) void pv_group(const DecodeArgs *a, int64_t n, int64_t ps,
-                                                          const int64_t *slots,
-                                                          int64_t h, const float *p, const int G, const int NV,
-                                                          const int BF16, float *acc) {
-    const int64_t D = a->head_dim, W = 8 * NV, row = a->num_kv_heads * D;
-    for (int64_t d = 0; d < D; d += W) {
-        v8 o[8][4];
-        ROWS_UNROLLED for (int g = 0; g < G; g++)
-            ROWS_UNROLLED for (int j = 0; j < NV; j++) o[g][j] = v8_zero();
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t at = slots[i] * row + h * D + d;
-            v8 pg[8];
-            ROWS_UNROLLED for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps + i]);
-            ROWS_UNROLLED for (int j = 0; j < NV; j++) {
-                const v8 v = BF16 ? v8_load_bf16((const uint16_t *)a->v_cache + at + 8 * j)
-                                  : v8_load((const float *)a->v_cache + at + 8 * j);
-                ROWS_UNROLLED for (int g = 0; g < G; g++) o[g][j] = v8_fma(pg[g], v, o[g][j]);
-            }
+/* t[g * 8] = q_g . k (8 lanes, summed later) for G query heads of one kv head, k: D elements of a token's row */
+static inline __attribute__((always_inline)) void head_scores(const char *k, const float *q, int64_t D, const int G,
+                                                             const int BF16, v8 *t) {
+    v8 acc[MAX_GROUP];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) acc[g] = v8_zero();
+    for (int64_t d = 0; d < D; d += 8) {
+        const v8 kv = load_elems(BF16, k, d);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) acc[g] = v8_fma(v8_load(q + g * D + d), kv, acc[g]);
+    }
+    ROWS_UNROLLED for (int g = 0; g < G; g++) t[g * 8] = acc[g];
+}
+
+/* acc[g * D + d] += p[g * ps] * v[d] for G query heads of one kv head, v: D elements of a token's row. The sums
+ * live in memory (L1): a whole row's worth of them would not fit the registers. */
+static inline __attribute__((always_inline)) void head_pv(const char *v, const float *p, int64_t ps, int64_t D,
+                                                         const int G, const int BF16, float *acc) {
+    v8 pg[MAX_GROUP];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps]);
+    for (int64_t d = 0; d < D; d += 8) {
+        const v8 vv = load_elems(BF16, v, d);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            float *o = acc + g * D + d;
+            v8_store(o, v8_fma(pg[g], vv, v8_load(o)));
         }
-        ROWS_UNROLLED for (int g = 0; g < G; g++)
-            ROWS_UNROLLED for (int j = 0; j < NV; j++) v8_store(acc + g * D + d + 8 * j, o[g][j]);
     }
 }
 
-#define PV_CASE(G, NV)                                                                                         \
-    case G * 16 + NV * 2:                                                                                      \
-        pv_group(a, n, ps, slots, h, p, G, NV, 0, acc);                                                            \
-        return;                                                                                                \
-    case G * 16 + NV * 2 + 1:                                                                                  \
-        pv_group(a, n, ps, slots, h, p, G, NV, 1, acc);                                                            \
-        return;
-#define PV_CASES(G) PV_CASE(G, 1) PV_CASE(G, 2) PV_CASE(G, 4)
+/* Scores of 8 tokens (K rows `rows`), t[hq * 8 + j] for query head hq and token j, and P.V of one token. Each row
+ * is read whole, kv head after kv head, and rows in token order: a stream the hardware prefetcher follows. (Reading
+ * each kv head's segment of 8 rows in turn, 768 bytes apart, kept it from running ahead: the score pass took the
+ * L3-resident time plus the DRAM time, not the larger of the two.) G query heads a kv head, in blocks of MAX_GROUP;
+ * G and the cache type are constants where these are inlined (the switches below). */
+static inline __attribute__((always_inline)) void group_scores(const DecodeArgs *a, const char *const *rows,
+                                                              const float *q, const int G, const int BF16, v8 *t) {
+    const int64_t D = a->head_dim, HG = a->num_heads / a->num_kv_heads, es = BF16 ? 2 : 4;
+    for (int64_t j = 0; j < 8; j++)
+        for (int64_t h = 0; h < a->num_kv_heads; h++)
+            for (int64_t g0 = 0; g0 < HG; g0 += G)
+                head_scores(rows[j] + h * D * es, q + (h * HG + g0) * D, D, G, BF16, t + (h * HG + g0) * 8 + j);
+}
 
-/* up to 8 query heads per walk; NV: the widest chunk (4, 2 or 1 vectors) that divides D and fits the 16 vector
- * registers with its G * NV accumulators, G broadcast probabilities and one V vector */
-static void pv_dispatch(const DecodeArgs *a, int64_t n, int64_t ps, const int64_t *slots, int64_t h,
-                        const float *p, int64_t G, float *acc) {
-    if (G > 8) {
-        for (int64_t g0 = 0; g0 < G; g0 += 8)
-            pv_dispatch(a, n, ps, slots, h, p + g0 * ps, G - g0 < 8 ? G - g0 : 8, acc + g0 * a->head_dim);
-        return;
+static inline __attribute__((always_inline)) void token_pv(const DecodeArgs *a, const char *row, const float *p,
+                                                          int64_t ps, const int G, const int BF16, float *acc) {
+    const int64_t D = a->head_dim, HG = a->num_heads / a->num_kv_heads, es = BF16 ? 2 : 4;
+    for (int64_t h = 0; h < a->num_kv_heads; h++)
+        for (int64_t g0 = 0; g0 < HG; g0 += G)
+            head_pv(row + h * D * es, p + (h * HG + g0) * ps, ps, D, G, BF16, acc + (h * HG + g0) * D);
+}
+
+/* the register block: the whole group up to MAX_GROUP heads, else blocks of 8 (groups of 9-16 heads: 4 or 8) */
+static inline int head_block(const DecodeArgs *a) {
+    const int64_t G = a->num_heads / a->num_kv_heads;
+    return G <= MAX_GROUP ? (int)G : G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+}
+
+#define HEAD_CASE(G)                                                                                           \
+    case G * 2:                                                                                                \
+        HEAD_OP(G, 0);                                                                                         \
+        break;                                                                                                 \
+    case G * 2 + 1:                                                                                            \
+        HEAD_OP(G, 1);                                                                                         \
+        break;
+#define HEAD_SWITCH(a)                                                                                         \
+    switch (head_block(a) * 2 + (a)->cache_bf16) {                                                             \
+        HEAD_CASE(1) HEAD_CASE(2) HEAD_CASE(3) HEAD_CASE(4) HEAD_CASE(5) HEAD_CASE(6) HEAD_CASE(7) HEAD_CASE(8)  \
     }
-    int NV = 4;
-    while (NV > 1 && (G * NV + G + 1 > 16 || a->head_dim % (8 * NV))) NV /= 2;
-    switch (G * 16 + NV * 2 + (a->cache_bf16 ? 1 : 0)) {
-        PV_CASES(1)
-        PV_CASES(2)
-        PV_CASES(3)
-        PV_CASES(4)
-        PV_CASES(5)
-        PV_CASES(6)
-        PV_CASES(7)
-        PV_CASES(8)
-    }
+
+static void row_scores(const DecodeArgs *a, const char *const *rows, const float *q, v8 *t) {
+#define HEAD_OP(G_, BF16_) group_scores(a, rows, q, G_, BF16_, t)
+    HEAD_SWITCH(a)
+#undef HEAD_OP
+}
+
+static void row_pv(const DecodeArgs *a, const char *row, const float *p, int64_t ps, float *acc) {
+#define HEAD_OP(G_, BF16_) token_pv(a, row, p, ps, G_, BF16_, acc)
+    HEAD_SWITCH(a)
+#undef HEAD_OP
 }
 
 /* cache slots (block * block_size + offset) of tokens [t0, t1) of sequence b */
@@ -235,11 +251,11 @@ static void token_slots(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
 
 /* Tokens [t0, t1) of sequence b, all heads: unnormalised softmax stats and P.V.
  * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
- * One item covers every kv head, so K/V are read token row by token row (Hkv * D contiguous elements, whole
- * blocks in order: what the hardware prefetcher streams best). Scratch: H * n scores, then n slots. */
+ * One item covers every kv head, so K and V are each read token row by token row, in order (row_scores).
+ * Scratch: H * n scores, then n slots. */
 static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
                         float *m, float *l, float *acc) {
-    const int64_t D = a->head_dim, H = a->num_heads, G = H / a->num_kv_heads, n = t1 - t0;
+    const int64_t D = a->head_dim, H = a->num_heads, n = t1 - t0;
     const int64_t row_bytes = a->num_kv_heads * D * (a->cache_bf16 ? 2 : 4);
     float q[H * D];
     const float *qsrc = a->q + b * a->q_row_stride;
@@ -248,26 +264,16 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
     v8 mv[MAX_HEADS];
     for (int64_t hq = 0; hq < H; hq++) mv[hq] = v8_set1(-FLT_MAX);
-    /* scores: 8 tokens at a time, one accumulator per token, reduced together. The lanes past the end of the
-     * last group repeat its first token: harmless for the max, and masked out of the sums below. */
+    /* scores: 8 tokens at a time, per query head one 8-lane partial sum a token, reduced together. The lanes past
+     * the end of the last group repeat its first token: harmless for the max, and masked out of the sums below. */
+    v8 t[H * 8]; /* query head hq, token j: t[hq * 8 + j] */
     for (int64_t i = 0; i < n; i += 8) {
         const int64_t cnt = n - i < 8 ? n - i : 8;
         const char *rows[8];
         for (int64_t j = 0; j < 8; j++) rows[j] = token_row(a, a->k_cache, slots[i + (j < cnt ? j : 0)]);
-        /* the next group's K and V rows (V for the P.V pass below, which then finds them in L2) */
-        for (int64_t j = i + 8; j < i + 16 && j < n; j++) {
-            prefetch(token_row(a, a->k_cache, slots[j]), row_bytes);
-            prefetch(token_row(a, a->v_cache, slots[j]), row_bytes);
-        }
+        row_scores(a, rows, q, t);
         for (int64_t hq = 0; hq < H; hq++) {
-            const int64_t off = (hq / G) * D;
-            v8 s[8];
-            for (int j = 0; j < 8; j++) s[j] = v8_zero();
-            for (int64_t d = 0; d < D; d += 8) {
-                const v8 qv = v8_load(q + hq * D + d);
-                for (int j = 0; j < 8; j++) s[j] = v8_fma(qv, load_elems(a, rows[j], off + d), s[j]);
-            }
-            const v8 sc = v8_hsum8(s);
+            const v8 sc = v8_hsum8(t + hq * 8);
             v8_store(scores + hq * n8 + i, sc);
             mv[hq] = v8_max(mv[hq], sc);
         }
@@ -290,8 +296,16 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
         }
         l[hq] = v8_hsum(sum);
     }
-    for (int64_t h = 0; h < a->num_kv_heads; h++)
-        pv_dispatch(a, n, n8, slots, h, scores + h * G * n8, G, acc + h * G * D);
+    /* P.V, V row by row in order; a prefetch a few rows ahead keeps it a few misses deeper than the stream alone
+     * (the score pass runs best without one) */
+    memset(acc, 0, sizeof(float) * H * D);
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PV_PREFETCH < n) {
+            const char *ahead = token_row(a, a->v_cache, slots[i + PV_PREFETCH]);
+            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+        }
+        row_pv(a, token_row(a, a->v_cache, slots[i]), scores + i, n8, acc);
+    }
 }
 
 /* splits per sequence: only when sequences alone would leave threads idle, >= 64 tokens each; a lone sequence's
