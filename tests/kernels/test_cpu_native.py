@@ -47,9 +47,10 @@ CASES = [  # (lens, kv heads, group, head dim, block size)
     ([200] * 8, 3, 3, 64, 16),
     ([1000], 3, 3, 64, 16),  # one long sequence: split across the threads
     ([1, 600], 1, 8, 32, 32),  # splits, and empty splits for the short one
-    ([5, 300, 7], 2, 12, 32, 16),  # a group wider than one register block (8 heads): blocks of 4
-    ([33, 9], 1, 9, 32, 16),  # 9 heads on one kv head: blocks of 1
-    ([70, 3], 2, 10, 64, 16),  # blocks of 2
+    ([5, 300, 7], 2, 12, 32, 16),  # a group wider than one register block (8 heads): blocks of 6
+    ([33, 9], 1, 9, 32, 16),  # 9 heads on one kv head: blocks of 3
+    ([70, 3], 2, 10, 64, 16),  # blocks of 5
+    ([20], 1, 11, 32, 16),  # blocks of 1
     ([40, 41], 4, 1, 128, 16),
     ([19, 64], 2, 5, 80, 32),  # head dim 80: narrower P.V chunks
     ([3, 70], 8, 2, 96, 16),

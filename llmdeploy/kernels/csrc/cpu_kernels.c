@@ -131,7 +131,7 @@ static inline v8 v8_exp(v8 x) {
 
 int llmd_has_avx2(void) { return LLMD_AVX2; }
 
-#define MAX_GROUP 8 /* query heads per kv head in one register block (wider groups run in blocks of 8) */
+#define MAX_GROUP 8 /* query heads of one kv head in one register block (wider groups: head_block) */
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 512
 #define PV_PREFETCH 4 /* tokens ahead whose V row P.V prefetches */
@@ -189,9 +189,9 @@ static inline __attribute__((always_inline)) void head_pv(const char *v, const f
 
 /* Scores of 8 tokens (K rows `rows`), t[hq * 8 + j] for query head hq and token j, and P.V of one token. Each row
  * is read whole, kv head after kv head, and rows in token order: a stream the hardware prefetcher follows. (Reading
- * each kv head's segment of 8 rows in turn, 768 bytes apart, kept it from running ahead: the score pass took the
- * L3-resident time plus the DRAM time, not the larger of the two.) G query heads a kv head, in blocks of MAX_GROUP;
- * G and the cache type are constants where these are inlined (the switches below). */
+ * each kv head's segment of 8 rows in turn, rows 768 bytes apart in SmolLM2, kept it from running ahead: the score
+ * pass took the L3-resident time plus the DRAM time, not the larger of the two.) G: the query heads of a register
+ * block (head_block); G and the cache type are constants where these are inlined (the switches below). */
 static inline __attribute__((always_inline)) void group_scores(const DecodeArgs *a, const char *const *rows,
                                                               const float *q, const int G, const int BF16, v8 *t) {
     const int64_t D = a->head_dim, HG = a->num_heads / a->num_kv_heads, es = BF16 ? 2 : 4;
@@ -209,10 +209,12 @@ static inline __attribute__((always_inline)) void token_pv(const DecodeArgs *a, 
             head_pv(row + h * D * es, p + (h * HG + g0) * ps, ps, D, G, BF16, acc + (h * HG + g0) * D);
 }
 
-/* the register block: the whole group up to MAX_GROUP heads, else blocks of 8 (groups of 9-16 heads: 4 or 8) */
+/* query heads per register block: the whole group up to MAX_GROUP, else its largest divisor that fits (12 -> 6) */
 static inline int head_block(const DecodeArgs *a) {
     const int64_t G = a->num_heads / a->num_kv_heads;
-    return G <= MAX_GROUP ? (int)G : G % 8 == 0 ? 8 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+    int b = MAX_GROUP;
+    while (G % b) b--;
+    return G <= MAX_GROUP ? (int)G : b;
 }
 
 #define HEAD_CASE(G)                                                                                           \
