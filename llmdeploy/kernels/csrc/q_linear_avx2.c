@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void rows_block(const int fmt, cons
 }
 
 void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
-                             int64_t); /* f32_linear_avx2.c */
+                             int64_t, const float *); /* f32_linear_avx2.c */
 
 /* the tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR] */
 static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
@@ -146,7 +146,7 @@ int llmd_q_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t 
             const float *tb = bias ? bias + t * NR : NULL;
             if (wt) {
                 dequant_tile(fmt, tile, K, wt);
-                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, tb, y + t * NR, N, real, M);
+                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, tb, y + t * NR, N, real, M, NULL);
             } else tile_rows(fmt, x, x_stride, tile, K, tb, y + t * NR, N, real, M);
         }
         free(wt);
