@@ -289,11 +289,11 @@ def decode_attention(
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
-# the prefill attention kernel per cache dtype: bf16 (prefill_attention.c, AVX-512 BF16), float32
-# (prefill_attention_f32.c, AVX2 + FMA)
+# the prefill attention kernel per cache dtype, and the probe saying whether this build has its instructions:
+# bf16 (prefill_attention.c, AVX-512 BF16), float32 (prefill_attention_f32.c, AVX2 + FMA)
 PREFILL_KERNELS = {
-    torch.bfloat16: "llmd_paged_prefill_attention_bf16",
-    torch.float32: "llmd_paged_prefill_attention_f32",
+    torch.bfloat16: ("llmd_paged_prefill_attention_bf16", "llmd_has_avx512_bf16"),
+    torch.float32: ("llmd_paged_prefill_attention_f32", "llmd_has_avx2"),
 }
 
 
@@ -310,7 +310,7 @@ def prefill_attention(
     dtype, a CPU without the kernel's instructions, a head dim it does not take), so the caller keeps the torch
     path."""
     n, num_heads, head_dim = query.shape
-    kernel = PREFILL_KERNELS.get(query.dtype)
+    kernel, probe = PREFILL_KERNELS.get(query.dtype, (None, None))
     if (
         kernel is None
         or query.device.type != "cpu"
@@ -321,7 +321,7 @@ def prefill_attention(
     ):
         return None
     lib = library()
-    if lib is None:
+    if lib is None or not getattr(lib, probe)():  # not on this CPU: no allocation per sequence and layer
         return None
     q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
