@@ -20,15 +20,17 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 
-# The dashboard's browser test drives Debian's chromium and the alert rules are checked with promtool (Debian's
-# prometheus package); nothing is downloaded by pip or playwright for them. Installed here when this runs as root
+# The dashboard's browser test drives Debian's chromium, the alert rules are checked with promtool (Debian's
+# prometheus package) and the AVX-512 kernels are tested on any CPU through SIMDe (libsimde-dev, headers only);
+# nothing is downloaded by pip or playwright for them. Installed here when this runs as root
 # with apt-get (CI does); elsewhere those tests skip and say why. LLMDEPLOY_SETUP_APT=0 leaves the system alone.
 apt_packages=()
 command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
 command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+[ -f /usr/include/simde/x86/avx512.h ] || apt_packages+=(libsimde-dev)
 if [ "${LLMDEPLOY_SETUP_APT:-1}" = 1 ] && [ ${#apt_packages[@]} -gt 0 ] && [ "$(id -u)" = 0 ] \
   && command -v apt-get >/dev/null 2>&1; then
-  echo "setup: apt-get install ${apt_packages[*]} (dashboard browser test, alert rule checks)"
+  echo "setup: apt-get install ${apt_packages[*]} (dashboard browser test, alert rule checks, emulated AVX-512)"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
     "${apt_packages[@]}" >/dev/null; }; then
     echo "setup: warning: apt-get could not install ${apt_packages[*]}; the tests that need them will skip" >&2
