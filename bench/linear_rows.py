@@ -5,6 +5,7 @@ oneDNN (AMX where the CPU has it), at each row count, as the decode and prefill 
 
 One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the LM head at `rows` rows, on 30
 separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
+float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU).
 Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
 decides `AMX_MIN_ROWS_DEFAULT` (kernels/cpu_native.py), the row count from which bf16 linears take them. Prints the CPU and its flags first.
 """
@@ -69,6 +70,13 @@ def amx_on(min_rows: int) -> bool:
     return lib is not None and lib.llmd_amx_configure(min_rows) > 0
 
 
+def tile_ahead(rows: int) -> None:
+    """float32 linears prefetch the next weight tile up to `rows` rows (0: never); LLMDEPLOY_TILE_AHEAD_ROWS at load."""
+    lib = cpu_native.library()
+    if lib is not None:
+        lib.llmd_tile_ahead_configure(rows)
+
+
 def best_of(fn, rows: int, reps: int) -> float:
     fn(rows)
     ts = []
@@ -102,7 +110,12 @@ def main() -> None:
         amx_on(0)
         print(f"\n{name}: all projections of a step (30 layers + LM head), ms (GFLOP/s)")
         head = f"{'rows':>5} {'oneDNN':>16} {'native':>16} {'native/oneDNN':>14}"
-        print(head + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else ""))
+        ahead = nat is not None and dtype == torch.float32
+        print(
+            head
+            + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else "")
+            + (f" {'no next-tile prefetch':>22}" if ahead else "")
+        )
         out[name] = []
         for r in rows_list:
 
@@ -119,6 +132,12 @@ def main() -> None:
                 amx_on(0)
                 line += f" {cell(a)} {a / d:11.2f}"
                 row["native_amx_s"] = a
+            if ahead and r <= cpu_native.TILE_AHEAD_ROWS_DEFAULT:
+                tile_ahead(0)
+                a = best_of(nat, r, args.reps)
+                tile_ahead(cpu_native.env_rows(cpu_native.AHEAD_ENV, cpu_native.TILE_AHEAD_ROWS_DEFAULT))
+                line += f" {cell(a)}"
+                row["native_no_ahead_s"] = a
             print(line)
             out[name].append(row)
         xs.clear()

@@ -50,6 +50,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
 AMX_ENV = "LLMDEPLOY_AMX_MIN_ROWS"
 AMX_MIN_ROWS_DEFAULT = 4  # bench/linear_rows.py on a Xeon with AMX: tied with vdpbf16ps at 2 rows, 0.87x at 4
+AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
+# float32 linears up to this many rows prefetch the next weight tile during a tile's later walks; bench/linear_rows.py
+# times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in a decode step 64.4 -> 47.6 ms)
+TILE_AHEAD_ROWS_DEFAULT = 64
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # argument lists shared by a kernel's float32 and bfloat16 variants
@@ -69,6 +73,7 @@ SIGNATURES = {
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_bf16_linear": LINEAR_ARGS,
     "llmd_amx_configure": [c_int],
+    "llmd_tile_ahead_configure": [c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -200,6 +205,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("native CPU kernels unavailable, using the torch ops instead: %s", exc)
         return None
     amx = lib.llmd_amx_configure(amx_min_rows())
+    lib.llmd_tile_ahead_configure(env_rows(AHEAD_ENV, TILE_AHEAD_ROWS_DEFAULT))
     log.info(
         "native CPU kernels loaded (%s%s)",
         "AVX2" if lib.llmd_has_avx2() else "portable C",
@@ -208,15 +214,20 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def amx_min_rows() -> int:
-    """From how many rows a bf16 linear runs on AMX tiles instead of vdpbf16ps (kernels/csrc/amx_linear.c):
-    LLMDEPLOY_AMX_MIN_ROWS, 0 = never (the benchmarks' baseline); the default is measured (bench/linear_rows.py)."""
-    raw = os.environ.get(AMX_ENV, str(AMX_MIN_ROWS_DEFAULT))
+def env_rows(name: str, default: int) -> int:
+    """A row-count setting from the environment, >= 0; a bad value is logged and the default kept."""
+    raw = os.environ.get(name, str(default))
     try:
         return max(0, int(raw))
     except ValueError:
-        log.warning("%s=%r is not a row count; using %d", AMX_ENV, raw, AMX_MIN_ROWS_DEFAULT)
-        return AMX_MIN_ROWS_DEFAULT
+        log.warning("%s=%r is not a row count; using %d", name, raw, default)
+        return default
+
+
+def amx_min_rows() -> int:
+    """From how many rows a bf16 linear runs on AMX tiles instead of vdpbf16ps (kernels/csrc/amx_linear.c):
+    LLMDEPLOY_AMX_MIN_ROWS, 0 = never (the benchmarks' baseline); the default is measured (bench/linear_rows.py)."""
+    return env_rows(AMX_ENV, AMX_MIN_ROWS_DEFAULT)
 
 
 def amx_linear_rows() -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ NOT_EMULATED = [
 ]
 
 
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc, the native kernels' compiler")
 @pytest.mark.skipif(
     not SIMDE.is_file(), reason="needs SIMDe's headers (Debian: apt-get install libsimde-dev)"
 )

@@ -132,6 +132,26 @@ def test_f32_linear_matches_torch(kernel, rows, n, bias):
     torch.testing.assert_close(out3, torch.nn.functional.linear(x3, w, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [3, 13, 25, 40, 64, 65])
+def test_f32_linear_next_tile_prefetch_changes_no_bit(kernel, rows):
+    """Up to llmd_tile_ahead_rows rows a tile's later walks prefetch the next tile (their own loop); the sums are
+    the same bits with it off (LLMDEPLOY_TILE_AHEAD_ROWS=0) as on."""
+    linear, lib = f32_linear_via(kernel), cpu_native.library()
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(200, 77, generator=g), torch.randn(rows, 77, generator=g)
+    packed = cpu_native.f32_pack(w)
+    assert lib.llmd_tile_ahead_configure(64) == 64
+    on = linear(x, packed, None, 200)
+    try:
+        assert lib.llmd_tile_ahead_configure(0) == 0
+        off = linear(x, packed, None, 200)
+    finally:
+        lib.llmd_tile_ahead_configure(cpu_native.TILE_AHEAD_ROWS_DEFAULT)
+    assert torch.equal(on, off)
+    torch.testing.assert_close(on.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+
+
 @needs_avx2
 def test_avx2_linear_writes_only_its_outputs():
     """Rows past M and the padding channels of the last tile are never written (the engine hands out views)."""

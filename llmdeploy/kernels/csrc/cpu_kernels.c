@@ -953,6 +953,14 @@ LLMD_ROPE_STORE(llmd_rope_store_bf16, uint16_t, v8_load_bf16, v8_store_bf16)
 #define F32_NR 32
 #define F32_MR 12
 
+/* rows up to which a float32 linear's later walks over a tile prefetch the next tile (f32_linear_avx2.c and the
+ * AVX-512 kernel below); 0 = never. Set once at load (llmd_tile_ahead_configure), read by every call. */
+int llmd_tile_ahead_rows = 64;
+int llmd_tile_ahead_configure(int rows) {
+    llmd_tile_ahead_rows = rows < 0 ? 0 : rows;
+    return llmd_tile_ahead_rows;
+}
+
 int llmd_has_avx512(void) {
 #if defined(__AVX512F__)
     return 1;
@@ -998,6 +1006,48 @@ static inline __attribute__((always_inline)) void f32_block(const float *x, int6
     }
 }
 
+/* f32_block's walk that also prefetches another tile: one k-row of `ahead` (both lines) every `every` iterations.
+ * A copy, as in f32_linear_avx2.c (rows_block_ahead): a flag on the plain walk slowed it there. */
+static inline __attribute__((always_inline)) void f32_block_ahead(const float *x, int64_t xs, const float *tile,
+                                                                 int64_t K, const float *bias, float *y, int64_t ys,
+                                                                 int real, const float *ahead, int64_t every,
+                                                                 const int MR) {
+    __m512 a0[F32_MR], a1[F32_MR];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += every, ahead += F32_NR) {
+        _mm_prefetch((const char *)ahead, _MM_HINT_T1);
+        _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T1);
+        const int64_t k1 = k0 + every < K ? k0 + every : K;
+        for (int64_t k = k0; k < k1; k++) {
+            const float *wp = tile + k * F32_NR;
+            _mm_prefetch((const char *)(wp + F32_NR * 8), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wp + F32_NR * 8 + 16), _MM_HINT_T0);
+            const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
+            ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+                const __m512 xb = _mm512_set1_ps(x[i * xs + k]);
+                a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
+                a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
+            }
+        }
+    }
+    float tmp[F32_NR];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(tmp, a0[i]);
+        _mm512_storeu_ps(tmp + 16, a1[i]);
+        q_store_row(tmp, bias, y + i * ys, real);
+    }
+}
+
+#define F32_AHEAD_CASE(R) case R: f32_block_ahead(x, xs, tile, K, bias, y, ys, real, ahead, every, R); break;
+static void f32_rows_ahead(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
+                           int64_t ys, int real, const float *ahead, int64_t every, int64_t mr) {
+    switch (mr) {
+    F32_AHEAD_CASE(1) F32_AHEAD_CASE(2) F32_AHEAD_CASE(3) F32_AHEAD_CASE(4) F32_AHEAD_CASE(5) F32_AHEAD_CASE(6)
+    F32_AHEAD_CASE(7) F32_AHEAD_CASE(8) F32_AHEAD_CASE(9) F32_AHEAD_CASE(10) F32_AHEAD_CASE(11)
+    default: f32_block_ahead(x, xs, tile, K, bias, y, ys, real, ahead, every, F32_MR);
+    }
+}
+
 #define F32_CASE(R) case R: f32_block(x, xs, tile, K, bias, y, ys, real, R); break;
 static void f32_rows(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                      int64_t ys, int real, int64_t mr) {
@@ -1024,13 +1074,23 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
 #if defined(__AVX512F__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
+    /* up to llmd_tile_ahead_rows rows, walks 1.. of a tile each prefetch a share of the next tile, so its first
+     * walk reads cache instead of memory (as in f32_linear_avx2.c) */
+    const int64_t walks = (M + F32_MR - 1) / F32_MR, every = walks > 1 ? walks - 1 : 1;
+    const int ahead_on = walks > 1 && M <= llmd_tile_ahead_rows, share = (int)((K + every - 1) / every);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
-        const float *tile = packed + t * F32_NR * K;
+        const float *tile = packed + t * F32_NR * K, *next = t + 1 < tiles ? tile + F32_NR * K : NULL;
         const int real = N - t * F32_NR < F32_NR ? (int)(N - t * F32_NR) : F32_NR;
-        for (int64_t m = 0; m < M; m += F32_MR)
-            f32_rows(x + m * x_stride, x_stride, tile, K, bias ? bias + t * F32_NR : NULL, y + m * N + t * F32_NR, N,
-                     real, M - m < F32_MR ? M - m : F32_MR);
+        const float *tb = bias ? bias + t * F32_NR : NULL;
+        for (int64_t m = 0, walk = 0; m < M; m += F32_MR, walk++) {
+            const int64_t mr = M - m < F32_MR ? M - m : F32_MR;
+            if (ahead_on && next && walk >= 1)
+                f32_rows_ahead(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real,
+                               next + (walk - 1) * share * F32_NR, every, mr);
+            else
+                f32_rows(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real, mr);
+        }
     }
     return 0;
 #else

@@ -13,7 +13,7 @@
 
 #include "avx2_tiles.h"
 
-#define AHEAD_MAX_ROWS 64 /* rows up to which a tile's later walks prefetch the next tile */
+extern int llmd_tile_ahead_rows; /* cpu_kernels.c: rows up to which a tile's later walks prefetch the next one */
 
 /* rows [0, MR) against channels [c0, c0 + 8 NV) of a tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
  * MR <= MR_HALF). Both lines of a k-row are prefetched PF rows ahead; a half block's 16 (0.93x the time of 8 at 12
@@ -90,7 +90,7 @@ static void half_rows_ahead(const float *x, int64_t xs, const float *tile, int64
 /* every row of x against one packed tile (`real` of its NR channels are outputs; y and bias at its first channel);
  * also the many-row path of q_linear_avx2.c, over a tile it dequantized. From 3 rows the tile is walked once per
  * block, the first walk from memory with few misses in flight (the hardware prefetcher retrains on each new tile).
- * Where `next` (the tile this thread takes next, or NULL) is given and M <= AHEAD_MAX_ROWS, walks 1-8 each prefetch
+ * Where `next` (the tile this thread takes next, or NULL) is given and M <= llmd_tile_ahead_rows, walks 1-8 each prefetch
  * an eighth of it, so its first walk finds it in cache: the 30 layers' projections at 32 rows, interleaved as in a
  * decode step, 64.4 -> 47.6 ms on Zen 2. With more rows the first walk is a small part of a tile's time. */
 void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
@@ -104,7 +104,7 @@ void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int6
     int64_t walk = 0;
     for (int c0 = 0; c0 < real; c0 += HALF)
         for (int64_t j = 0, m = 0; m < M; m += half_block_rows(M, j), j++, walk++) {
-            if (next && M <= AHEAD_MAX_ROWS && walk >= 1 && walk <= 8)
+            if (next && M <= llmd_tile_ahead_rows && walk >= 1 && walk <= 8)
                 half_rows_ahead(x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, next + (walk - 1) * share * NR,
                                 half_block_rows(M, j));
             else
