@@ -90,9 +90,9 @@ static void half_rows_ahead(const float *x, int64_t xs, const float *tile, int64
 /* every row of x against one packed tile (`real` of its NR channels are outputs; y and bias at its first channel);
  * also the many-row path of q_linear_avx2.c, over a tile it dequantized. From 3 rows the tile is walked once per
  * block, the first walk from memory with few misses in flight (the hardware prefetcher retrains on each new tile).
- * Where `next` (the tile this thread takes next, or NULL) is given and M <= llmd_tile_ahead_rows, walks 1-8 each prefetch
- * an eighth of it, so its first walk finds it in cache: the 30 layers' projections at 32 rows, interleaved as in a
- * decode step, 64.4 -> 47.6 ms on Zen 2. With more rows the first walk is a small part of a tile's time. */
+ * Where `next` (the tile this thread takes next, or NULL) is given and M <= llmd_tile_ahead_rows, walks 1-8 each
+ * prefetch an eighth of it, so its first walk finds it in cache: the 30 layers' projections at 32 rows, interleaved
+ * as in a decode step, 64.4 -> 47.6 ms on Zen 2. With more rows the first walk is a small part of a tile's time. */
 void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                              int64_t N, int real, int64_t M, const float *next) {
     if (M <= MR_FULL) {
