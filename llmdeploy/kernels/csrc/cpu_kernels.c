@@ -148,6 +148,7 @@ typedef struct {
     const int32_t *context_lens;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int head_block; /* query heads per register block (head_block()), worked out once per call */
 } DecodeArgs;
 
 /* K/V of one token, all kv heads: Hkv * D elements, contiguous in the cache */
@@ -209,9 +210,10 @@ static inline __attribute__((always_inline)) void token_pv(const DecodeArgs *a, 
             head_pv(row + h * D * es, p + (h * HG + g0) * ps, ps, D, G, BF16, acc + (h * HG + g0) * D);
 }
 
-/* query heads per register block: the whole group up to MAX_GROUP, else its largest divisor that fits (12 -> 6) */
-static inline int head_block(const DecodeArgs *a) {
-    const int64_t G = a->num_heads / a->num_kv_heads;
+/* query heads per register block: the whole group up to MAX_GROUP, else its largest divisor that fits (12 -> 6).
+ * Once per call: worked out per token row (its divisions in a loop) it took a tenth of the attention's time. */
+static int head_block(int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t G = num_heads / num_kv_heads;
     int b = MAX_GROUP;
     while (G % b) b--;
     return G <= MAX_GROUP ? (int)G : b;
@@ -225,7 +227,7 @@ static inline int head_block(const DecodeArgs *a) {
         HEAD_OP(G, 1);                                                                                         \
         break;
 #define HEAD_SWITCH(a)                                                                                         \
-    switch (head_block(a) * 2 + (a)->cache_bf16) {                                                             \
+    switch ((a)->head_block * 2 + (a)->cache_bf16) {                                                           \
         HEAD_CASE(1) HEAD_CASE(2) HEAD_CASE(3) HEAD_CASE(4) HEAD_CASE(5) HEAD_CASE(6) HEAD_CASE(7) HEAD_CASE(8)  \
     }
 
@@ -330,7 +332,7 @@ int llmd_paged_decode_attention(const float *q, int64_t q_row_stride, const void
                                 int64_t D, int64_t block_size, float scale, int nthreads) {
     if (H % Hkv || H > MAX_HEADS || D % 8 || D > MAX_HEAD_DIM || nthreads < 1) return -1;
     DecodeArgs a = {q, q_row_stride, k_cache, v_cache, cache_bf16, block_tables, bt_stride, context_lens,
-                    H,  Hkv,          D,       block_size, scale};
+                    H,  Hkv,          D,       block_size, scale,     head_block(H, Hkv)};
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     const int64_t S = choose_splits(B, max_len, nthreads);
