@@ -21,23 +21,104 @@ typedef simde__mmask32 __mmask32;
 #define _MM_FROUND_TO_NEAREST_INT SIMDE_MM_FROUND_TO_NEAREST_INT
 #define _MM_FROUND_TO_NEG_INF SIMDE_MM_FROUND_TO_NEG_INF
 #define _MM_FROUND_TO_ZERO SIMDE_MM_FROUND_TO_ZERO
-#define SHIM_F(name) static inline __attribute__((unused)) name
-SHIM_F(simde__m512) _mm512_cvtepi32_ps(simde__m512i a) { int32_t x[16]; float y[16]; memcpy(x, &a, 64); for (int i = 0; i < 16; i++) y[i] = (float)x[i]; simde__m512 r; memcpy(&r, y, 64); return r; }
-SHIM_F(simde__m512i) _mm512_cvtps_epi32(simde__m512 a) { float x[16]; int32_t y[16]; memcpy(x, &a, 64); for (int i = 0; i < 16; i++) y[i] = (int32_t)nearbyintf(x[i]); simde__m512i r; memcpy(&r, y, 64); return r; }
-SHIM_F(simde__m512i) _mm512_cvtepi8_epi32(simde__m128i a) { int8_t x[16]; int32_t y[16]; memcpy(x, &a, 16); for (int i = 0; i < 16; i++) y[i] = x[i]; simde__m512i r; memcpy(&r, y, 64); return r; }
-SHIM_F(simde__m512i) _mm512_cvtepu8_epi32(simde__m128i a) { uint8_t x[16]; int32_t y[16]; memcpy(x, &a, 16); for (int i = 0; i < 16; i++) y[i] = x[i]; simde__m512i r; memcpy(&r, y, 64); return r; }
-SHIM_F(simde__m512i) _mm512_cvtepu16_epi32(simde__m256i a) { uint16_t x[16]; int32_t y[16]; memcpy(x, &a, 32); for (int i = 0; i < 16; i++) y[i] = x[i]; simde__m512i r; memcpy(&r, y, 64); return r; }
-static inline uint16_t shim_bf16(float f) { uint32_t u; memcpy(&u, &f, 4); if ((u & 0x7f800000u) == 0) u &= 0x80000000u; if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); }
-SHIM_F(simde__m256bh) _mm512_cvtneps_pbh(simde__m512 a) { float x[16]; uint16_t y[16]; memcpy(x, &a, 64); for (int i = 0; i < 16; i++) y[i] = shim_bf16(x[i]); simde__m256bh r; memcpy(&r, y, 32); return r; }
-static inline float shim_half(uint16_t h) { uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u; if (e == 0) { float f = ldexpf((float)m, -24); return s ? -f : f; } if (e == 31) u = s | 0x7f800000u | (m << 13); else u = s | ((e + 112) << 23) | (m << 13); float f; memcpy(&f, &u, 4); return f; }
-SHIM_F(simde__m512) _mm512_cvtph_ps(simde__m256i a) { uint16_t x[16]; float y[16]; memcpy(x, &a, 32); for (int i = 0; i < 16; i++) y[i] = shim_half(x[i]); simde__m512 r; memcpy(&r, y, 64); return r; }
-SHIM_F(void) _mm512_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) { float x[16]; memcpy(x, &a, 64); for (int i = 0; i < 16; i++) if (k >> i & 1) ((float *)p)[i] = x[i]; }
-SHIM_F(simde__m512) _mm512_maskz_loadu_ps(simde__mmask16 k, const void *p) { float y[16]; for (int i = 0; i < 16; i++) y[i] = (k >> i & 1) ? ((const float *)p)[i] : 0.0f; simde__m512 r; memcpy(&r, y, 64); return r; }
-SHIM_F(void) _mm256_mask_storeu_epi16(void *p, simde__mmask16 k, simde__m256i a) { uint16_t x[16]; memcpy(x, &a, 32); for (int i = 0; i < 16; i++) if (k >> i & 1) ((uint16_t *)p)[i] = x[i]; }
-SHIM_F(int) _mm512_reduce_add_epi32(simde__m512i a) { int32_t x[16]; memcpy(x, &a, 64); int s = 0; for (int i = 0; i < 16; i++) s += x[i]; return s; }
-SHIM_F(float) _mm512_reduce_add_ps(simde__m512 a) { float x[16]; memcpy(x, &a, 64); for (int w = 8; w; w >>= 1) for (int i = 0; i < w; i++) x[i] += x[i + w]; return x[0]; }
-SHIM_F(float) _mm512_reduce_max_ps(simde__m512 a) { float x[16]; memcpy(x, &a, 64); float m = x[0]; for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m; return m; }
+/* out lane i = EXPR(in lane i) over 16 lanes: the conversions SIMDe lacks */
+#define LANEWISE(NAME, OUT_V, OUT_T, IN_V, IN_T, EXPR)                                                            \
+    static inline __attribute__((unused)) OUT_V NAME(IN_V a) {                                                   \
+        IN_T x[16];                                                                                              \
+        OUT_T y[16];                                                                                             \
+        memcpy(x, &a, sizeof x);                                                                                 \
+        for (int i = 0; i < 16; i++) y[i] = EXPR(x[i]);                                                          \
+        OUT_V r;                                                                                                 \
+        memcpy(&r, y, sizeof y);                                                                                 \
+        return r;                                                                                                \
+    }
+
+/* float32 -> bf16, round to nearest even, denormals flushed (vcvtneps2bf16), NaN kept quiet */
+static inline uint16_t shim_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float shim_half(uint16_t h) { /* IEEE binary16 -> float32, exact */
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu;
+    if (e == 0) return (sign ? -1.0f : 1.0f) * ldexpf((float)m, -24);
+    const uint32_t u = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#define AS_FLOAT(v) ((float)(v))
+#define AS_INT(v) ((int32_t)(v))
+#define ROUND_INT(v) ((int32_t)nearbyintf(v))
+LANEWISE(_mm512_cvtepi32_ps, simde__m512, float, simde__m512i, int32_t, AS_FLOAT)
+LANEWISE(_mm512_cvtps_epi32, simde__m512i, int32_t, simde__m512, float, ROUND_INT)
+LANEWISE(_mm512_cvtepi8_epi32, simde__m512i, int32_t, simde__m128i, int8_t, AS_INT)
+LANEWISE(_mm512_cvtepu8_epi32, simde__m512i, int32_t, simde__m128i, uint8_t, AS_INT)
+LANEWISE(_mm512_cvtepu16_epi32, simde__m512i, int32_t, simde__m256i, uint16_t, AS_INT)
+LANEWISE(_mm512_cvtneps_pbh, simde__m256bh, uint16_t, simde__m512, float, shim_bf16)
+LANEWISE(_mm512_cvtph_ps, simde__m512, float, simde__m256i, uint16_t, shim_half)
+
+static inline __attribute__((unused)) void _mm512_mask_storeu_ps(void *p, simde__mmask16 k, simde__m512 a) {
+    float x[16];
+    memcpy(x, &a, sizeof x);
+    for (int i = 0; i < 16; i++)
+        if (k >> i & 1) ((float *)p)[i] = x[i];
+}
+
+static inline __attribute__((unused)) void _mm256_mask_storeu_epi16(void *p, simde__mmask16 k, simde__m256i a) {
+    uint16_t x[16];
+    memcpy(x, &a, sizeof x);
+    for (int i = 0; i < 16; i++)
+        if (k >> i & 1) ((uint16_t *)p)[i] = x[i];
+}
+
+static inline __attribute__((unused)) simde__m512 _mm512_maskz_loadu_ps(simde__mmask16 k, const void *p) {
+    float y[16]; /* masked-off lanes are not read: the kernels load row tails this way */
+    for (int i = 0; i < 16; i++) y[i] = (k >> i & 1) ? ((const float *)p)[i] : 0.0f;
+    simde__m512 r;
+    memcpy(&r, y, sizeof y);
+    return r;
+}
+
+static inline __attribute__((unused)) int _mm512_reduce_add_epi32(simde__m512i a) {
+    int32_t x[16];
+    memcpy(x, &a, sizeof x);
+    int s = 0;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static inline __attribute__((unused)) float _mm512_reduce_add_ps(simde__m512 a) { /* halves folded, as gcc's */
+    float x[16];
+    memcpy(x, &a, sizeof x);
+    for (int w = 8; w; w >>= 1)
+        for (int i = 0; i < w; i++) x[i] += x[i + w];
+    return x[0];
+}
+
+static inline __attribute__((unused)) float _mm512_reduce_max_ps(simde__m512 a) {
+    float x[16];
+    memcpy(x, &a, sizeof x);
+    float m = x[0];
+    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* SIMDe 0.7.4 rounds imm8 0x09 (round down, no exceptions) to nearest; the kernels use scale 0 only */
 #undef _mm512_roundscale_ps
-/* SIMDe 0.7.4 reads imm8 0x09 (to -inf, no exceptions) wrongly; scale bits are 0 everywhere here */
-SHIM_F(simde__m512) _mm512_roundscale_ps(simde__m512 a, int imm) { float x[16]; memcpy(x, &a, 64); for (int i = 0; i < 16; i++) { switch (imm & 3) { case 0: x[i] = nearbyintf(x[i]); break; case 1: x[i] = floorf(x[i]); break; case 2: x[i] = ceilf(x[i]); break; default: x[i] = truncf(x[i]); } } simde__m512 r; memcpy(&r, x, 64); return r; }
+static inline __attribute__((unused)) simde__m512 _mm512_roundscale_ps(simde__m512 a, int imm) {
+    float x[16];
+    memcpy(x, &a, sizeof x);
+    for (int i = 0; i < 16; i++) {
+        const int mode = imm & 3;
+        x[i] = mode == 0 ? nearbyintf(x[i]) : mode == 1 ? floorf(x[i]) : mode == 2 ? ceilf(x[i]) : truncf(x[i]);
+    }
+    simde__m512 r;
+    memcpy(&r, x, sizeof x);
+    return r;
+}
 #endif
