@@ -43,7 +43,8 @@ SOURCES = tuple(
 )
 # in the build key too: a change to one rebuilds
 HEADERS = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h")
+    Path(__file__).with_name("csrc") / name
+    for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h", "row_chunk.h")
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")

@@ -113,7 +113,7 @@ KERNELS = [
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 40, 1100])  # 1100: chunks of 512, 512, 76
 @pytest.mark.parametrize("n", [70, 90])  # last tile: 6 channels (no second half), 26 (a partial second half)
 @pytest.mark.parametrize("bias", [False, True])
 def test_f32_linear_matches_torch(kernel, rows, n, bias):

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "row_chunk.h"
+
 #define NR 32       /* channels per packed tile (F32_NR / Q_NR in cpu_kernels.c) */
 #define HALF 16     /* channels per half tile */
 #define MR_FULL 2   /* rows up to which a block takes the whole tile */

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "row_chunk.h"
 #include "unroll.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1077,21 +1078,25 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
     /* up to llmd_tile_ahead_rows rows, walks 1.. of a tile each prefetch a share of the next tile, so its first
-     * walk reads cache instead of memory (as in f32_linear_avx2.c) */
-    const int64_t walks = (M + F32_MR - 1) / F32_MR, every = walks > 1 ? walks - 1 : 1;
-    const int ahead_on = walks > 1 && M <= llmd_tile_ahead_rows, share = (int)((K + every - 1) / every);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const float *tile = packed + t * F32_NR * K, *next = t + 1 < tiles ? tile + F32_NR * K : NULL;
-        const int real = N - t * F32_NR < F32_NR ? (int)(N - t * F32_NR) : F32_NR;
-        const float *tb = bias ? bias + t * F32_NR : NULL;
-        for (int64_t m = 0, walk = 0; m < M; m += F32_MR, walk++) {
-            const int64_t mr = M - m < F32_MR ? M - m : F32_MR;
-            if (ahead_on && next && walk >= 1)
-                f32_rows_ahead(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real,
-                               next + (walk - 1) * share * F32_NR, every, mr);
-            else
-                f32_rows(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real, mr);
+     * walk reads cache instead of memory (as in f32_linear_avx2.c); many rows go LLMD_ROW_CHUNK at a time */
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < M; m0 += LLMD_ROW_CHUNK) {
+        const int64_t mc = M - m0 < LLMD_ROW_CHUNK ? M - m0 : LLMD_ROW_CHUNK;
+        const int64_t walks = (mc + F32_MR - 1) / F32_MR, every = walks > 1 ? walks - 1 : 1;
+        const int ahead_on = walks > 1 && mc <= llmd_tile_ahead_rows, share = (int)((K + every - 1) / every);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const float *tile = packed + t * F32_NR * K, *next = t + 1 < tiles ? tile + F32_NR * K : NULL;
+            const int real = N - t * F32_NR < F32_NR ? (int)(N - t * F32_NR) : F32_NR;
+            const float *tb = bias ? bias + t * F32_NR : NULL;
+            for (int64_t m = m0, walk = 0; m < m0 + mc; m += F32_MR, walk++) {
+                const int64_t mr = m0 + mc - m < F32_MR ? m0 + mc - m : F32_MR;
+                if (ahead_on && next && walk >= 1)
+                    f32_rows_ahead(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real,
+                                   next + (walk - 1) * share * F32_NR, every, mr);
+                else
+                    f32_rows(x + m * x_stride, x_stride, tile, K, tb, y + m * N + t * F32_NR, N, real, mr);
+            }
         }
     }
     return 0;

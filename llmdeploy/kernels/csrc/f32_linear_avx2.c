@@ -122,18 +122,22 @@ int llmd_has_f32_linear_avx2(void) {
 }
 
 /* llmd_f32_linear's contract (y[M, N] = x @ w^T + bias, w as llmd_f32_pack made it) on AVX2; -2 without it.
- * Threads split the channel tiles, as in the AVX-512 kernel. */
+ * Threads split the channel tiles, as in the AVX-512 kernel; many rows go LLMD_ROW_CHUNK at a time. */
 int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, const float *bias, float *y,
                          int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
-        const float *tb = bias ? bias + t * NR : NULL;
-        llmd_f32_tile_rows_avx2(x, x_stride, packed + t * NR * K, K, tb, y + t * NR, N, real, M,
-                                t + 1 < tiles ? packed + (t + 1) * NR * K : NULL);
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < M; m0 += LLMD_ROW_CHUNK) {
+        const int64_t mc = M - m0 < LLMD_ROW_CHUNK ? M - m0 : LLMD_ROW_CHUNK;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
+            const float *tb = bias ? bias + t * NR : NULL;
+            llmd_f32_tile_rows_avx2(x + m0 * x_stride, x_stride, packed + t * NR * K, K, tb, y + m0 * N + t * NR, N,
+                                    real, mc, t + 1 < tiles ? packed + (t + 1) * NR * K : NULL);
+        }
     }
     return 0;
 #else
