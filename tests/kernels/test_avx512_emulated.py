@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from llmdeploy.engine.cpu_dtype import cpu_flags
+
 EMULATED = Path(__file__).with_name("emulated")
 SIMDE = Path("/usr/include/simde/x86/avx512.h")
 KERNEL_TESTS = Path(__file__).relative_to(Path(__file__).parents[2]).parent
@@ -26,16 +28,6 @@ TEST_FILES = [
 NOT_EMULATED = [
     f"{KERNEL_TESTS}/test_cpu_native.py::test_packed_bf16_linear_unpacks_and_matches_onednn[True]"
 ]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {
-        flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()
-    }
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc, the native kernels' compiler")
