@@ -255,7 +255,7 @@ def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
 
 @pytest.fixture(scope="module")
 def build_for(tmp_path_factory):
-    """The kernels built for another x86 target (-march=...), once per module (a build takes ~10 s)."""
+    """The kernels built for another x86 target (-march=...), once per module (a build takes 10-25 s)."""
 
     @functools.cache
     def build(march: str):
