@@ -26,7 +26,7 @@ LAYER_TENSORS = {
 }
 MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output": "lm_head"}
 LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # what the native kernel reads (cpu_kernels.c q_linear)
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # what the native kernel reads (csrc/q_linear.c)
 
 
 def hf_name(gguf_name: str) -> str | None:

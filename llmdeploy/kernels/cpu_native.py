@@ -1,4 +1,4 @@
-"""Compiled CPU kernels (kernels/csrc/cpu_kernels.c) behind plain Python functions, with None as the answer
+"""Compiled CPU kernels (kernels/csrc/*.c) behind plain Python functions, with None as the answer
 wherever they do not apply, so callers keep their torch path.
 
 Built at first use with the system C compiler (`gcc -O3 -march=native -fopenmp`, one compiler process a source,
@@ -35,6 +35,10 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "cpu_kernels.c",
+        "decode_attention.c",
+        "fused_ops.c",
+        "linear_avx512.c",
+        "q_linear.c",
         "f32_linear_avx2.c",
         "q_linear_avx2.c",
         "amx_linear.c",
@@ -47,7 +51,7 @@ SOURCES = tuple(
 # in the build key too: a change to one rebuilds
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h", "row_chunk.h")
+    for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h", "row_chunk.h", "lanes.h", "q_format.h")
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -400,13 +404,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class QFormat(enum.IntEnum):
-    """GGUF's block-quantized weight formats the native kernel reads (fmt in cpu_kernels.c's q_linear)."""
+    """GGUF's block-quantized weight formats the native kernel reads (fmt in q_format.h)."""
 
     Q8 = 0  # w = d * q, q int8, one float16 d per block (GGUF Q8_0; model.quantization int8)
     Q4 = 1  # w = d * q + m, q in 0..15, float16 d and m per block (GGUF Q4_1; Q4_0 is m = -8 d)
 
 
-Q_BLOCK, Q_TILE = 32, 32  # inputs per block (GGUF's QK), channels per packed tile (QB, Q_NR in cpu_kernels.c)
+Q_BLOCK, Q_TILE = 32, 32  # inputs per block (GGUF's QK), channels per packed tile (QB, Q_NR in q_format.h)
 
 
 def q_packed_bytes(fmt: QFormat, n: int, k: int) -> int:
@@ -504,7 +508,7 @@ def q_linear(x: torch.Tensor, packed: QPacked, bias: torch.Tensor | None) -> tor
     )
 
 
-F32_TILE = 32  # output channels per packed tile (F32_NR in cpu_kernels.c)
+F32_TILE = 32  # output channels per packed tile (F32_NR in linear_avx512.c)
 
 
 def _native_linear_runs(probe: str) -> bool:

@@ -1,4 +1,4 @@
-"""The block-quantized linear kernels (cpu_kernels.c q_linear / q_bf16_linear / qv_linear) against their
+"""The block-quantized linear kernels (q_linear.c q_linear / qv_linear, linear_avx512.c q_bf16_linear) against their
 definitions: the float32 kernel equals x @ dequantized(w)^T up to summation order; from Q_BF16_MIN_ROWS rows the
 same layout runs as bf16(x) @ bf16(dequantized w)^T; the VNNI kernel equals the same product with x rounded
 to int8 per block of 32 (as llama.cpp computes it), which this file computes exactly in float64. Q8 and Q4 blocks,

@@ -1,5 +1,5 @@
 /* bf16 linear on AMX tiles (Intel AMX-BF16), reading the same packed weights as the AVX-512 BF16 kernel in
- * cpu_kernels.c: a 32-channel tile's pair rows (2 x 16 channels x 2 inputs, 128 bytes) are two AMX B tiles side by
+ * linear_avx512.c: a 32-channel tile's pair rows (2 x 16 channels x 2 inputs, 128 bytes) are two AMX B tiles side by
  * side, so one copy of each weight serves both kernels and nothing is repacked. llmd_bf16_linear hands calls here
  * from llmd_amx_configure's row count up (many rows: one TDPBF16PS does 16 rows x 16 channels x 32 inputs, 8x a vdpbf16ps
  * loop's work per instruction); decode's few rows stay on vdpbf16ps, where the weight stream is the cost anyway.
@@ -16,7 +16,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_NR 32 /* channels per packed tile (BF16_NR in cpu_kernels.c) */
+#define AMX_NR 32 /* channels per packed tile (BF16_NR in linear_avx512.c) */
 #define AMX_MR 16 /* rows per tile */
 #define AMX_KB 32 /* inputs per tile row: 16 pairs */
 #define AMX_M_BLOCK 256 /* rows whose inputs stay in L2 while a thread walks its weight tiles */
@@ -26,7 +26,7 @@
 typedef struct {
     __m512 b0, b1;
     __mmask16 m0, m1;
-} llmd_tile_epilogue; /* cpu_kernels.c: a tile's bias and channel masks */
+} llmd_tile_epilogue; /* linear_avx512.c: a tile's bias and channel masks */
 llmd_tile_epilogue llmd_bf16_tile_epilogue(const void *bias, int real, int out_f32);
 
 typedef struct {

@@ -1,5 +1,5 @@
 /* expf on 8 float lanes for AVX2 + FMA (Cephes style: range reduction by ln 2 and a degree-6 polynomial, ~1-2 ulp
- * over the softmax range). Shared by the decode attention (cpu_kernels.c) and the float32 prefill attention. */
+ * over the softmax range). Shared by the decode attention (decode_attention.c) and the float32 prefill attention. */
 #ifndef LLMD_AVX2_EXP_H
 #define LLMD_AVX2_EXP_H
 #include <immintrin.h>

@@ -10,7 +10,7 @@
 
 #include "row_chunk.h"
 
-#define NR 32       /* channels per packed tile (F32_NR / Q_NR in cpu_kernels.c) */
+#define NR 32       /* channels per packed tile (F32_NR in linear_avx512.c, Q_NR in q_format.h) */
 #define HALF 16     /* channels per half tile */
 #define MR_FULL 2   /* rows up to which a block takes the whole tile */
 #define MR_HALF 6   /* rows per half-tile block */

@@ -1,5 +1,5 @@
 /* A decode step's decoder layers in one call (Llama family, one rank): per layer add + RMSNorm, fused qkv, rotary
- * + K/V store, paged decode attention, o, add + RMSNorm, fused gate/up, silu * up, down; built with cpu_kernels.c
+ * + K/V store, paged decode attention, o, add + RMSNorm, fused gate/up, silu * up, down; built into one library with cpu_kernels.c
  * and calling its kernels in the order the Python layers do, on the same buffers, so the results are the same.
  *
  * Why: at batch 1 the weights stream in ~8 ms (bf16 SmolLM2 on 2 Zen 4 cores) but the step took 16 ms: ~270 kernel

@@ -1,5 +1,5 @@
 /* paged_prefill_attention for a bfloat16 cache on CPUs with AVX-512 BF16: one sequence's chunk of queries (the
- * chunk's K/V already stored) against its whole context, read from the paged cache. Built with cpu_kernels.c.
+ * chunk's K/V already stored) against its whole context, read from the paged cache. Built into one library with cpu_kernels.c.
  *
  * Why: long-context chunked prefill spent most of its attention time in float32 matmuls over a gathered copy of
  * the context (kernels/reference.py causal_attention, ~90 GFLOP/s on 2 Zen 4 cores). Here q.k and p.v run as
@@ -27,7 +27,7 @@
 #define PF_MR 6    /* query rows per block: 6 x 4 p.v accumulators + 4 V vectors fit the 32 registers */
 #define PF_DV 64   /* head dims per p.v pass (4 vectors) */
 
-/* Cephes-style expf (cpu_kernels.c v8_exp, 16 lanes): ~1-2 ulp over the softmax range */
+/* Cephes-style expf (lanes.h v8_exp, 16 lanes): ~1-2 ulp over the softmax range */
 static inline __m512 v16_exp(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
     __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),

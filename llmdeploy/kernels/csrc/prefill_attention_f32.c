@@ -1,5 +1,5 @@
 /* paged_prefill_attention for a float32 cache on CPUs with AVX2 + FMA: one sequence's chunk of queries (the chunk's
- * K/V already stored) against its whole context, read from the paged cache. Built with cpu_kernels.c.
+ * K/V already stored) against its whole context, read from the paged cache. Built into one library with cpu_kernels.c.
  *
  * Why: float32 prefill attention ran on the torch path (kernels/reference.py causal_attention: a gathered copy of
  * the context and a dozen small ops per 64-query block, for every sequence and layer of a step). The plan is

@@ -1,5 +1,5 @@
 /* The block-quantized linear (Q8 / Q4, the float kernel's layout from llmd_q_pack with vnni = 0) on AVX2 + FMA CPUs
- * without AVX-512: the same contract as llmd_q_linear in cpu_kernels.c, which hands its calls here on such CPUs.
+ * without AVX-512: the same contract as llmd_q_linear in q_linear.c, which hands its calls here on such CPUs.
  *
  * Why its own kernel: the portable one keeps two sums per channel (x . q per block, then d times it) in 16-lane
  * pairs of AVX2 registers, 8 registers a row, so on AVX2's 16 registers it spills at any row count and ran one
@@ -24,7 +24,7 @@
  * of SmolLM2's projections, dequantized tile / in registers: 8 rows 1.14x, 12 0.98x, 16 1.07x, 24 0.83x, 32 0.81x,
  * 128 0.71x the time. */
 #define DEQUANT_MIN_ROWS 20
-enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in cpu_kernels.c */
+enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in q_format.h */
 
 static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
 

@@ -1,0 +1,171 @@
+/* Small fused ops of a layer (RMSNorm with the residual add, silu * up, rotary + K/V store), float32 and bf16. */
+#include "lanes.h"
+
+/* ---------------------------------------------------------------- small fused ops (float32) */
+
+/* Few rows are not worth waking a second thread for: its start costs more than the work. */
+#define ROWS_PER_THREAD 16
+static inline int threads_for(int64_t rows, int nthreads) {
+    int64_t t = rows / ROWS_PER_THREAD;
+    return t < 1 ? 1 : (t < nthreads ? (int)t : nthreads);
+}
+
+/* res_out = x + residual (residual may be NULL: res_out = x); out = res_out / sqrt(mean(res_out^2) + eps) * w.
+ * Rows of dim floats, all contiguous; out/res_out may alias x/residual. */
+int llmd_add_rms_norm(const float *x, const float *residual, const float *w, float *out, float *res_out,
+                      int64_t rows, int64_t dim, float eps, int nthreads) {
+    if (dim % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        float *orow = out + r * dim, *sr = res_out + r * dim;
+        v8 ss = v8_zero();
+        for (int64_t d = 0; d < dim; d += 8) {
+            v8 v = v8_load(xr + d);
+            if (rr) v = v8_add(v, v8_load(rr + d));
+            v8_store(sr + d, v);
+            ss = v8_fma(v, v, ss);
+        }
+        const float inv = 1.0f / sqrtf(v8_hsum(ss) / (float)dim + eps);
+        const v8 iv = v8_set1(inv);
+        for (int64_t d = 0; d < dim; d += 8) v8_store(orow + d, v8_mul(v8_mul(v8_load(sr + d), iv), v8_load(w + d)));
+    }
+    return 0;
+}
+
+/* gate / (1 + exp(-gate)), the division in scalar float32 as torch's silu rounds it */
+static inline v8 v8_silu(v8 gv) {
+    const v8 e = v8_exp(v8_mul(gv, v8_set1(-1.0f)));
+    float tmp[8], gs[8], es[8];
+    v8_store(gs, gv);
+    v8_store(es, e);
+    for (int j = 0; j < 8; j++) tmp[j] = gs[j] / (1.0f + es[j]);
+    return v8_load(tmp);
+}
+
+/* x: rows of [gate | up] (2 * inter floats) -> out rows of inter floats: gate / (1 + exp(-gate)) * up */
+int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int nthreads) {
+    if (inter % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t d = 0; d < inter; d += 8) v8_store(o + d, v8_mul(v8_silu(v8_load(g + d)), v8_load(u + d)));
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- norm and rotary in bfloat16 */
+
+/* bf16 in and out, float32 math, each rounding where torch's bf16 ops round (a bf16 op computes in float32 and
+ * rounds its result to nearest even): x + residual, the normalised value, its product with the weight; the rotated
+ * q and k. The engine's bf16 decode step ran these as ~10 small torch ops a layer. (A bf16 silu-and-mul was slower
+ * than torch's two vectorised ops at every row count: not kept.) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+#if LLMD_AVX2
+/* round to nearest even in integer lanes (a scalar loop here made these kernels 3-4x slower than torch's at 32+
+ * rows); NaN lanes keep their payload's top bits, made quiet */
+static inline __m128i v8_to_bf16_bits(v8 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    return _mm256_castsi256_si128(packed);
+}
+static inline void v8_store_bf16(uint16_t *p, v8 x) { _mm_storeu_si128((__m128i *)p, v8_to_bf16_bits(x)); }
+static inline v8 v8_round_bf16(v8 x) { /* to bf16 precision, kept in float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v8_to_bf16_bits(x)), 16));
+}
+#else
+static inline void v8_store_bf16(uint16_t *p, v8 x) {
+    for (int i = 0; i < 8; i++) p[i] = bf16_round(x.x[i]);
+}
+static inline v8 v8_round_bf16(v8 x) {
+    uint16_t h[8];
+    v8_store_bf16(h, x);
+    return v8_load_bf16(h);
+}
+#endif
+
+int llmd_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out,
+                           uint16_t *res_out, int64_t rows, int64_t dim, float eps, int nthreads) {
+    if (dim % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * dim, *rr = residual ? residual + r * dim : NULL;
+        uint16_t *orow = out + r * dim, *sr = res_out + r * dim;
+        v8 ss = v8_zero();
+        for (int64_t d = 0; d < dim; d += 8) {
+            v8 v = v8_load_bf16(xr + d);
+            if (rr) {
+                v = v8_round_bf16(v8_add(v, v8_load_bf16(rr + d)));
+                v8_store_bf16(sr + d, v);
+            }
+            ss = v8_fma(v, v, ss);
+        }
+        const v8 iv = v8_set1(1.0f / sqrtf(v8_hsum(ss) / (float)dim + eps));
+        for (int64_t d = 0; d < dim; d += 8) {
+            const v8 normed = v8_round_bf16(v8_mul(v8_load_bf16(sr + d), iv));
+            v8_store_bf16(orow + d, v8_mul(normed, v8_load_bf16(w + d)));
+        }
+    }
+    return 0;
+}
+
+/* silu_mul on bf16 rows, rounding as torch's F.silu(gate).mul_(up) in bf16 does: silu(gate) to bf16, then the
+ * product to bf16. Only the fused decode step calls it (decode_step.c): on its own, torch's two ops were faster. */
+int llmd_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t inter, int nthreads) {
+    if (inter % 8) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows, nthreads))
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t d = 0; d < inter; d += 8)
+            v8_store_bf16(o + d, v8_mul(v8_round_bf16(v8_silu(v8_load_bf16(g + d))), v8_load_bf16(u + d)));
+    }
+    return 0;
+}
+
+/* One step's q/k rotation and K/V store. qkv: [N, (H + 2 * Hkv) * D] of T (float32 or bf16), rows of q heads, k
+ * heads, v heads; cos, sin: [N, D] float32 (full-width cos, sign-folded sin: x * cos + swap_halves(x) * sin). q and
+ * k heads are rotated in place (float32 math, stored back as T); then k and v rows go to the caches
+ * ([num_blocks * block_size, Hkv, D] of T) at slot_mapping[n] (-1: not stored). One body for both types. */
+#define LLMD_ROPE_STORE(NAME, T, LOAD, STORE)                                                                      \
+    int NAME(T *qkv, int64_t N, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,          \
+             const int64_t *slot_mapping, T *k_cache, T *v_cache, int nthreads) {                                \
+        if (D % 16) return -1;                                                                                   \
+        const int64_t row = (H + 2 * Hkv) * D, half = D / 2;                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(threads_for(N, nthreads))")                      \
+        for (int64_t n = 0; n < N; n++) {                                                                        \
+            T *r = qkv + n * row;                                                                                \
+            const float *c = cos + n * D, *s = sin + n * D;                                                      \
+            for (int64_t h = 0; h < H + Hkv; h++) {                                                              \
+                T *x = r + h * D;                                                                                \
+                for (int64_t d = 0; d < half; d += 8) {                                                          \
+                    const v8 lo = LOAD(x + d), hi = LOAD(x + half + d);                                          \
+                    /* two products then a sum, as torch computes it (no fused multiply-add: same rounding) */  \
+                    const v8 new_lo = v8_add(v8_mul(lo, v8_load(c + d)), v8_mul(hi, v8_load(s + d)));           \
+                    const v8 new_hi = v8_add(v8_mul(hi, v8_load(c + half + d)), v8_mul(lo, v8_load(s + half + d))); \
+                    STORE(x + d, new_lo);                                                                        \
+                    STORE(x + half + d, new_hi);                                                                 \
+                }                                                                                                \
+            }                                                                                                    \
+            const int64_t slot = slot_mapping[n];                                                                \
+            if (slot >= 0) {                                                                                     \
+                memcpy(k_cache + slot * Hkv * D, r + H * D, sizeof(T) * Hkv * D);                               \
+                memcpy(v_cache + slot * Hkv * D, r + (H + Hkv) * D, sizeof(T) * Hkv * D);                       \
+            }                                                                                                    \
+        }                                                                                                        \
+        return 0;                                                                                                \
+    }
+
+LLMD_ROPE_STORE(llmd_rope_store, float, v8_load, v8_store)
+LLMD_ROPE_STORE(llmd_rope_store_bf16, uint16_t, v8_load_bf16, v8_store_bf16)
