@@ -2,6 +2,8 @@
 the engine's figures (issue 13): GEMM GFLOP/s at the model's own shapes per dtype, memory read bandwidth, and
 
   W output tok/s ceiling = W's output tokens / (W's FLOPs / GEMM peak)         (compute bound)
+  W roofline ceiling     = the same, each batch decode step at the larger of its FLOPs at the GEMM peak and its
+                           bytes (weights + the batch's K/V) at the read bandwidth (AMX: decode is bandwidth bound)
   batch-1 decode floor   = weight bytes read per step / read bandwidth         (bandwidth bound)
   TTFT floor             = FLOPs of one prompt's prefill / GEMM peak           (compute bound)
 
@@ -143,6 +145,12 @@ class ModelShape:
         params = self.layer_params + self.head_params
         scales = 4 * (self.num_layers * sum(o for _, o in self.projections()) + self.vocab)
         return params * DTYPE_BYTES[dtype] + (scales if dtype == "int8" else 0)
+
+    def kv_bytes(self, context: int, dtype: str) -> int:
+        """K and V of `context` tokens, all layers: what one sequence's decode attention reads. The cache holds
+        the activations' dtype (int8 weights keep float32 activations)."""
+        elem = DTYPE_BYTES["float32" if dtype == "int8" else dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * context * elem
 
     def attention_flops(self, context: int) -> int:
         """One query token over `context` keys, all layers (QK^T and PV)."""
@@ -296,9 +304,18 @@ def floors(shape: ModelShape, c: Ceilings, dtype: str, w: Workload = Workload())
     prefill, decode = shape.workload_flops(w.num_requests, w.prompt_len, w.output_len)
     out_tokens = w.num_requests * w.output_len
     by_shape = prefill / (compute.shape_gflops[2048] * 1e9) + decode / (compute.shape_gflops[32] * 1e9)
+    peak, bandwidth = compute.peak_gflops * 1e9, c.read_gbps * 1e9
+    decode_steps_s = sum(
+        max(
+            w.num_requests * shape.decode_flops(ctx) / peak,
+            (shape.weight_bytes(dtype) + w.num_requests * shape.kv_bytes(ctx, dtype)) / bandwidth,
+        )
+        for ctx in range(w.prompt_len + 1, w.prompt_len + w.output_len)
+    )
     return {
-        "w_tok_s_ceiling": out_tokens / ((prefill + decode) / (compute.peak_gflops * 1e9)),
+        "w_tok_s_ceiling": out_tokens / ((prefill + decode) / peak),
         "w_tok_s_ceiling_at_shapes": out_tokens / by_shape,
+        "w_tok_s_roofline": out_tokens / (prefill / peak + decode_steps_s),
         "decode_b1_floor_ms": 1e3 * shape.weight_bytes(dtype) / (c.read_gbps * 1e9),
         "ttft_floor_s": shape.prefill_flops(w.prompt_len) / (compute.peak_gflops * 1e9),
     }
@@ -316,7 +333,9 @@ def shares(
         lines.append(
             f"W {dtype}: {w_tok_s:.1f} tok/s = {w_tok_s / f['w_tok_s_ceiling']:.0%} of the compute ceiling "
             f"{f['w_tok_s_ceiling']:.0f} tok/s at the GEMM peak ({w_tok_s / f['w_tok_s_ceiling_at_shapes']:.0%} "
-            f"of {f['w_tok_s_ceiling_at_shapes']:.0f} at the measured 2048/32-row rates)"
+            f"of {f['w_tok_s_ceiling_at_shapes']:.0f} at the measured 2048/32-row rates; "
+            f"{w_tok_s / f['w_tok_s_roofline']:.0%} of the roofline {f['w_tok_s_roofline']:.0f}, decode steps "
+            f"bound by the larger of compute and weight + K/V bytes at {c.read_gbps:.1f} GB/s)"
         )
     if b1_ms:
         lines.append(
@@ -353,7 +372,7 @@ def report(shape: ModelShape, c: Ceilings) -> list[str]:
         f = floors(shape, c, dtype)
         lines.append(
             f"floors {dtype}: W <= {f['w_tok_s_ceiling']:.0f} tok/s ({f['w_tok_s_ceiling_at_shapes']:.0f} at "
-            f"measured shapes), batch-1 decode >= {f['decode_b1_floor_ms']:.1f} ms/token, TTFT(128) >= "
+            f"measured shapes, {f['w_tok_s_roofline']:.0f} with bandwidth-bound decode), batch-1 decode >= {f['decode_b1_floor_ms']:.1f} ms/token, TTFT(128) >= "
             f"{f['ttft_floor_s'] * 1e3:.0f} ms"
         )
     return lines

@@ -1,0 +1,44 @@
+"""bench/ceilings.py's floors: the W roofline (decode steps bound by compute or by their weight + K/V bytes),
+checked on SmolLM2's shape with made-up machine figures whose answers can be worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.ceilings import Ceilings, CpuInfo, DtypeCeiling, Workload, floors, smollm2_shape
+
+SHAPE = smollm2_shape()
+W = Workload()
+
+
+def machine(peak_gflops: float, read_gbps: float, dtype: str = "float32") -> Ceilings:
+    compute = DtypeCeiling(
+        dtype, peak_gflops, {"test": peak_gflops}, {1: 10.0, 32: peak_gflops, 2048: peak_gflops}
+    )
+    cpu = CpuInfo("test CPU", (), "DEFAULT", 2, (0.0, 0.0, 0.0))
+    return Ceilings(cpu, read_gbps, {dtype: compute, "float32": compute})
+
+
+def test_kv_bytes_count_k_and_v_of_every_layer_at_the_cache_dtype():
+    per_token = 2 * 30 * 3 * 64  # K and V, 30 layers, 3 kv heads x 64
+    assert SHAPE.kv_bytes(192, "float32") == per_token * 192 * 4
+    assert SHAPE.kv_bytes(192, "bfloat16") == per_token * 192 * 2
+    assert SHAPE.kv_bytes(192, "int8") == SHAPE.kv_bytes(192, "float32")  # int8 weights, float32 cache
+
+
+def test_roofline_is_the_compute_ceiling_when_memory_is_fast():
+    f = floors(SHAPE, machine(peak_gflops=150, read_gbps=1e6), "float32")
+    assert f["w_tok_s_roofline"] == pytest.approx(f["w_tok_s_ceiling"], rel=1e-9)
+
+
+def test_roofline_counts_weight_and_kv_bytes_when_decode_is_bandwidth_bound():
+    peak, gbps = 3000.0, 30.0  # an AMX core pair: bf16 decode at batch 32 waits on memory
+    f = floors(SHAPE, machine(peak, gbps, "bfloat16"), "bfloat16")
+    prefill, _ = SHAPE.workload_flops(W.num_requests, W.prompt_len, W.output_len)
+    contexts = range(W.prompt_len + 1, W.prompt_len + W.output_len)
+    step_bytes = [
+        SHAPE.weight_bytes("bfloat16") + W.num_requests * SHAPE.kv_bytes(c, "bfloat16") for c in contexts
+    ]
+    expected_s = prefill / (peak * 1e9) + sum(step_bytes) / (gbps * 1e9)
+    assert f["w_tok_s_roofline"] == pytest.approx(W.num_requests * W.output_len / expected_s, rel=1e-9)
+    assert f["w_tok_s_roofline"] < 0.5 * f["w_tok_s_ceiling"]  # the compute ceiling alone overstates it here
