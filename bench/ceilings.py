@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from llmdeploy.engine.cpu_dtype import cpu_flags
 from llmdeploy.kernels import cpu_native
 
 # CPU features that decide which kernels exist (bf16/int8 matmul units, vector width)
@@ -66,15 +67,6 @@ class CpuInfo:
             f"CPU: {self.model} | flags: {' '.join(self.flags) or '-'} | torch {torch.__version__} "
             f"({self.torch_capability}) | {self.threads} threads | load average {self.load_avg[0]:.1f}"
         )
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
 
 
 def cpu_info() -> CpuInfo:
