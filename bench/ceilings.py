@@ -4,7 +4,8 @@ the engine's figures (issue 13): GEMM GFLOP/s at the model's own shapes per dtyp
   W output tok/s ceiling = W's output tokens / (W's FLOPs / GEMM peak)         (compute bound)
   W roofline ceiling     = the same, each batch decode step at the larger of its FLOPs at the GEMM peak and its
                            bytes (weights + the batch's K/V) at the read bandwidth (AMX: decode is bandwidth bound)
-  batch-1 decode floor   = weight bytes read per step / read bandwidth         (bandwidth bound)
+  batch-1 decode floor   = weight bytes read per step / read bandwidth         (bandwidth bound; the read
+                           bandwidth is the best of torch's sum and bench/csrc/read_probe.c with 1-8 streams a thread)
   TTFT floor             = FLOPs of one prompt's prefill / GEMM peak           (compute bound)
 
     python bench/ceilings.py [--dtypes float32,bfloat16] [--json out.json]     # ~10-30 s
@@ -19,10 +20,14 @@ the least disturbed one.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -218,10 +223,43 @@ def gemm_gflops(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float =
     return out
 
 
+PROBE_SOURCE = Path(__file__).with_name("csrc") / "read_probe.c"
+PROBE_STREAMS = (1, 2, 3, 4, 8)
+
+
+@functools.cache
+def read_probe() -> ctypes.CDLL | None:
+    """bench/csrc/read_probe.c built for this CPU (as the engine builds its kernels), or None without a compiler."""
+    cc = cpu_native.compiler()
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="llmdeploy-probe-") as tmp:
+        out = Path(tmp) / "read_probe.so"
+        flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+        if subprocess.run([cc, *flags, "-o", str(out), str(PROBE_SOURCE)], capture_output=True).returncode:
+            return None
+        lib = ctypes.CDLL(str(out))  # mapped: the file can go
+    lib.llmd_read_probe.restype = ctypes.c_double
+    lib.llmd_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.llmd_read_probe.argtypes += [ctypes.c_void_p]
+    return lib
+
+
 def read_bandwidth_gbps(mib: int = 512, budget_s: float = 1.0) -> float:
-    """GB/s of a 2-thread (torch's threads) sum over a buffer far larger than the caches."""
+    """GB/s of reading a buffer far larger than the caches on torch's threads: the best of torch's sum (one stream
+    a thread) and read_probe.c with 1-8 streams a thread (some CPUs' memory needs several to run at full speed: the
+    engine's one-row linear reads three weight tiles at a time)."""
     buf = torch.ones(mib << 18)  # float32
-    return buf.numel() * 4 / best_time(lambda: buf.sum(), budget_s) / 1e9
+    best = buf.numel() * 4 / best_time(lambda: buf.sum(), budget_s / 2) / 1e9
+    probe = read_probe()
+    if probe is not None:
+        sink, reps = ctypes.c_float(0.0), 3
+        for streams in PROBE_STREAMS:
+            gbps = probe.llmd_read_probe(
+                buf.data_ptr(), buf.numel(), streams, torch.get_num_threads(), reps, ctypes.byref(sink)
+            )
+            best = max(best, gbps)
+    return best
 
 
 @dataclass

@@ -3,9 +3,13 @@ checked on SmolLM2's shape with made-up machine figures whose answers can be wor
 
 from __future__ import annotations
 
-import pytest
+import ctypes
+import shutil
 
-from bench.ceilings import Ceilings, CpuInfo, DtypeCeiling, Workload, floors, smollm2_shape
+import pytest
+import torch
+
+from bench.ceilings import Ceilings, CpuInfo, DtypeCeiling, Workload, floors, read_probe, smollm2_shape
 
 SHAPE = smollm2_shape()
 W = Workload()
@@ -42,3 +46,16 @@ def test_roofline_counts_weight_and_kv_bytes_when_decode_is_bandwidth_bound():
     expected_s = prefill / (peak * 1e9) + sum(step_bytes) / (gbps * 1e9)
     assert f["w_tok_s_roofline"] == pytest.approx(W.num_requests * W.output_len / expected_s, rel=1e-9)
     assert f["w_tok_s_roofline"] < 0.5 * f["w_tok_s_ceiling"]  # the compute ceiling alone overstates it here
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the probe is compiled with gcc")
+@pytest.mark.parametrize("streams", [1, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_probe_reads_every_element_once_a_pass(streams, threads):
+    probe = read_probe()
+    assert probe is not None
+    n, reps = 1_000_003, 2  # odd: every thread's share leaves a remainder past its streams
+    buf, sink = torch.ones(n), ctypes.c_float(0.0)
+    gbps = probe.llmd_read_probe(buf.data_ptr(), n, streams, threads, reps, ctypes.byref(sink))
+    assert sink.value == reps * n  # sums of ones: exact in float32 at this size
+    assert 0 < gbps < 1e4
