@@ -62,6 +62,10 @@ AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
 # float32 linears up to this many rows prefetch the next weight tile during a tile's later walks; bench/linear_rows.py
 # times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in a decode step 64.4 -> 47.6 ms)
 TILE_AHEAD_ROWS_DEFAULT = 64
+STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
+# weight tiles a float32 linear reads side by side for one row (1-3; 1: a tile at a time): bench/linear_rows.py times
+# 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1 decode 23.1 -> 16.5 ms/token)
+ROW_STREAMS_DEFAULT = 3
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # argument lists shared by a kernel's float32 and bfloat16 variants
@@ -82,6 +86,7 @@ SIGNATURES = {
     "llmd_bf16_linear": LINEAR_ARGS,
     "llmd_amx_configure": [c_int],
     "llmd_tile_ahead_configure": [c_int],
+    "llmd_row_streams_configure": [c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -236,6 +241,7 @@ def library() -> ctypes.CDLL | None:
         return None
     amx = lib.llmd_amx_configure(amx_min_rows())
     lib.llmd_tile_ahead_configure(env_rows(AHEAD_ENV, TILE_AHEAD_ROWS_DEFAULT))
+    lib.llmd_row_streams_configure(env_rows(STREAMS_ENV, ROW_STREAMS_DEFAULT))
     log.info(
         "native CPU kernels loaded (%s%s)",
         "AVX2" if lib.llmd_has_avx2() else "portable C",

@@ -135,16 +135,22 @@ def test_f32_linear_matches_torch(kernel, rows, n, bias):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 4, 32 * 9 + 3])  # 7, 4 and 10 tiles: groups of 3, 2 and 1
 @pytest.mark.parametrize("threads", [1, 2])
-def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, monkeypatch):
-    """One row (decode at batch 1, bound by the weight stream) walks several tiles at once; each output still sums
-    over k in order, so a request alone gets the same bits as inside a batch."""
-    linear = f32_linear_via(kernel)
+@pytest.mark.parametrize("streams", [1, 2, 3])
+def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, streams, monkeypatch):
+    """One row (decode at batch 1, bound by the weight stream) walks `streams` tiles at once
+    (LLMDEPLOY_ROW_STREAMS); each output still sums over k in order, so a request alone gets the same bits as inside
+    a batch."""
+    linear, lib = f32_linear_via(kernel), cpu_native.library()
     g = torch.Generator().manual_seed(n)
     k = 77
     w, x, b = torch.randn(n, k, generator=g), torch.randn(2, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    one = linear(x[:1], packed, b, n)
+    assert lib.llmd_row_streams_configure(streams) == streams
+    try:
+        one = linear(x[:1], packed, b, n)
+    finally:
+        lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
     assert torch.equal(one, linear(x, packed, b, n)[:1])
     ref = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
     torch.testing.assert_close(one.double(), ref, atol=1e-4, rtol=1e-5)

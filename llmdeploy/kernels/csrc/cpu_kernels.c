@@ -29,3 +29,12 @@ int llmd_tile_ahead_configure(int rows) {
     llmd_tile_ahead_rows = rows < 0 ? 0 : rows;
     return llmd_tile_ahead_rows;
 }
+
+/* weight tiles a float32 linear walks at once for a single row (1 = one, with a software prefetch, as for two rows;
+ * at most 3): several streams a core keep more of memory busy (f32_linear_avx2.c row_tiles). Set once at load
+ * (llmd_row_streams_configure), read by every call. */
+int llmd_row_streams = 3;
+int llmd_row_streams_configure(int streams) {
+    llmd_row_streams = streams < 1 ? 1 : streams > 3 ? 3 : streams;
+    return llmd_row_streams;
+}

@@ -15,6 +15,7 @@
 #include "avx2_tiles.h"
 
 extern int llmd_tile_ahead_rows; /* cpu_kernels.c: rows up to which a tile's later walks prefetch the next one */
+extern int llmd_row_streams;     /* cpu_kernels.c: tiles a one-row call walks at once */
 
 /* rows [0, MR) against channels [c0, c0 + 8 NV) of a tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
  * MR <= MR_HALF). Both lines of a k-row are prefetched PF rows ahead; a half block's 16 (0.93x the time of 8 at 12
@@ -109,12 +110,13 @@ static inline __attribute__((always_inline)) void row_tiles(const float *x, cons
     }
 }
 
-/* tiles [t0, t1) of a one-row linear, three at a time */
+/* tiles [t0, t1) of a one-row linear, `streams` (2 or 3) at a time */
 static void row_tile_range(const float *x, const float *packed, int64_t K, int64_t N, int64_t t0, int64_t t1,
-                           const float *bias, float *y) {
-    for (int64_t t = t0; t < t1; t += 3) {
-        if (t1 - t >= 3) row_tiles(x, packed, K, N, t, bias, y, 3);
-        else if (t1 - t == 2) row_tiles(x, packed, K, N, t, bias, y, 2);
+                           const float *bias, float *y, int streams) {
+    for (int64_t t = t0; t < t1; t += streams) {
+        const int64_t g = t1 - t < streams ? t1 - t : streams;
+        if (g == 3) row_tiles(x, packed, K, N, t, bias, y, 3);
+        else if (g == 2) row_tiles(x, packed, K, N, t, bias, y, 2);
         else row_tiles(x, packed, K, N, t, bias, y, 1);
     }
 }
@@ -160,11 +162,12 @@ int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, 
 #if defined(__AVX2__) && defined(__FMA__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + NR - 1) / NR;
-    if (M == 1) { /* decode at batch 1, bound by the weight stream: each thread's tiles three at a time */
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
+        const int streams = llmd_row_streams;
 #pragma omp parallel num_threads(nthreads)
         {
             const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y);
+            row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
         }
         return 0;
     }

@@ -1,8 +1,11 @@
 /* The linears on packed weights for AVX-512 CPUs: float32 (AVX2 in f32_linear_avx2.c), bfloat16 (AVX-512 BF16;
  * AMX tiles in amx_linear.c), and GGUF-quantized weights at prefill sizes through the bf16 kernel. */
+#include <omp.h>
+
 #include "q_format.h"
 
 extern int llmd_tile_ahead_rows; /* cpu_kernels.c */
+extern int llmd_row_streams;     /* cpu_kernels.c */
 int llmd_has_avx512(void);      /* cpu_kernels.c */
 
 /* ---------------------------------------------------------------- float32 linear (AVX-512) */
@@ -93,6 +96,42 @@ static void f32_rows_ahead(const float *x, int64_t xs, const float *tile, int64_
     }
 }
 
+/* one row against G (1-3) adjacent tiles in lockstep: G weight streams a core, as f32_linear_avx2.c's row_tiles
+ * (measured there, on Zen 2: 26 -> 37-40 GB/s; not yet timed on an AVX-512 CPU: LLMDEPLOY_ROW_STREAMS=1 restores the
+ * one-tile walk, and bench/linear_rows.py times both). Each output sums over k in order: f32_block's bits. */
+static inline __attribute__((always_inline)) void f32_row_tiles(const float *x, const float *packed, int64_t K,
+                                                               int64_t N, int64_t t, const float *bias, float *y,
+                                                               const int G) {
+    __m512 a0[3], a1[3];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    const float *w = packed + t * F32_NR * K;
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 xb = _mm512_set1_ps(x[k]);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            const float *wp = w + (g * K + k) * F32_NR;
+            a0[g] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(wp), a0[g]);
+            a1[g] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(wp + 16), a1[g]);
+        }
+    }
+    float tmp[F32_NR];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) {
+        const int64_t c = (t + g) * F32_NR;
+        _mm512_storeu_ps(tmp, a0[g]);
+        _mm512_storeu_ps(tmp + 16, a1[g]);
+        q_store_row(tmp, bias ? bias + c : NULL, y + c, N - c < F32_NR ? (int)(N - c) : F32_NR);
+    }
+}
+
+static void f32_row_tile_range(const float *x, const float *packed, int64_t K, int64_t N, int64_t t0, int64_t t1,
+                               const float *bias, float *y, int streams) {
+    for (int64_t t = t0; t < t1; t += streams) {
+        const int64_t g = t1 - t < streams ? t1 - t : streams;
+        if (g == 3) f32_row_tiles(x, packed, K, N, t, bias, y, 3);
+        else if (g == 2) f32_row_tiles(x, packed, K, N, t, bias, y, 2);
+        else f32_row_tiles(x, packed, K, N, t, bias, y, 1);
+    }
+}
+
 #define F32_CASE(R) case R: f32_block(x, xs, tile, K, bias, y, ys, real, R); break;
 static void f32_rows(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                      int64_t ys, int real, int64_t mr) {
@@ -119,6 +158,15 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
 #if defined(__AVX512F__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
+        const int streams = llmd_row_streams;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            f32_row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
+        }
+        return 0;
+    }
     /* up to llmd_tile_ahead_rows rows, walks 1.. of a tile each prefetch a share of the next tile, so its first
      * walk reads cache instead of memory (as in f32_linear_avx2.c); many rows go LLMD_ROW_CHUNK at a time */
 #pragma omp parallel num_threads(nthreads)
