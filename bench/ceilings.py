@@ -240,8 +240,8 @@ def read_probe() -> ctypes.CDLL | None:
             return None
         lib = ctypes.CDLL(str(out))  # mapped: the file can go
     lib.llmd_read_probe.restype = ctypes.c_double
-    lib.llmd_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.llmd_read_probe.argtypes += [ctypes.c_void_p]
+    c_int = ctypes.c_int
+    lib.llmd_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_int64, c_int, c_int, c_int, ctypes.c_void_p]
     return lib
 
 
@@ -402,8 +402,8 @@ def report(shape: ModelShape, c: Ceilings) -> list[str]:
         f = floors(shape, c, dtype)
         lines.append(
             f"floors {dtype}: W <= {f['w_tok_s_ceiling']:.0f} tok/s ({f['w_tok_s_ceiling_at_shapes']:.0f} at "
-            f"measured shapes, {f['w_tok_s_roofline']:.0f} with bandwidth-bound decode), batch-1 decode >= {f['decode_b1_floor_ms']:.1f} ms/token, TTFT(128) >= "
-            f"{f['ttft_floor_s'] * 1e3:.0f} ms"
+            f"measured shapes, {f['w_tok_s_roofline']:.0f} with bandwidth-bound decode), batch-1 decode >= "
+            f"{f['decode_b1_floor_ms']:.1f} ms/token, TTFT(128) >= {f['ttft_floor_s'] * 1e3:.0f} ms"
         )
     return lines
 
