@@ -63,7 +63,7 @@ AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
 # times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in a decode step 64.4 -> 47.6 ms)
 TILE_AHEAD_ROWS_DEFAULT = 64
 STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
-# weight tiles a float32 linear reads side by side for one row (1-3; 1: a tile at a time): bench/linear_rows.py times
+# weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time): bench/linear_rows.py times
 # 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1 decode 23.1 -> 16.5 ms/token)
 ROW_STREAMS_DEFAULT = 3
 BUILD_TIMEOUT_S = 120

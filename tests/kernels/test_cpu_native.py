@@ -251,6 +251,27 @@ def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 9 + 3])  # 7 and 10 tiles: groups of 3, 2 and 1
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("streams", [1, 3])
+def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, monkeypatch):
+    """As the float32 linears: one row walks `streams` tiles at once, each output's pairs still added in order."""
+    lib, g = cpu_native.library(), torch.Generator().manual_seed(n)
+    k = 78
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, k, generator=g).bfloat16()
+    b, packed = torch.randn(n, generator=g).bfloat16(), cpu_native.bf16_pack(w)
+    monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
+    assert lib.llmd_row_streams_configure(streams) == streams
+    try:
+        one = cpu_native.bf16_linear(x[:1], packed, b, n)
+    finally:
+        lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
+    assert torch.equal(one, cpu_native.bf16_linear(x, packed, b, n)[:1])
+    exact = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
+    assert ((one.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+
+
+@needs_avx512_bf16
 def test_bf16_linear_declines_what_it_does_not_cover():
     w = torch.randn(8, 5).bfloat16()
     assert cpu_native.bf16_pack(w) is None  # odd K: no pairs

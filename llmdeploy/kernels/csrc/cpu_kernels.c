@@ -30,7 +30,7 @@ int llmd_tile_ahead_configure(int rows) {
     return llmd_tile_ahead_rows;
 }
 
-/* weight tiles a float32 linear walks at once for a single row (1 = one, with a software prefetch, as for two rows;
+/* weight tiles a float32 or bfloat16 linear walks at once for a single row (1 = one, with a software prefetch, as for two rows;
  * at most 3): several streams a core keep more of memory busy (f32_linear_avx2.c row_tiles). Set once at load
  * (llmd_row_streams_configure), read by every call. */
 int llmd_row_streams = 3;

@@ -284,6 +284,44 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
     }
 }
 
+/* one row against G (1-3) adjacent tiles side by side: G weight streams a core, as f32_row_tiles (untimed on an
+ * AVX-512 BF16 CPU; LLMDEPLOY_ROW_STREAMS=1 restores the one-tile walk). Each output adds its pairs in order, one
+ * vdpbf16ps a pair, and rounds once: bf16_block's bits. */
+static inline __attribute__((always_inline)) void bf16_row_tiles(const uint16_t *x, const uint16_t *packed, int64_t K,
+                                                                int64_t N, int64_t t, const uint16_t *bias,
+                                                                uint16_t *y, const int G) {
+    __m512 a0[3], a1[3];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    const uint16_t *w = packed + t * BF16_NR * K;
+    for (int64_t p = 0; p < K / 2; p++) {
+        int32_t pair;
+        memcpy(&pair, x + 2 * p, sizeof pair);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            const uint16_t *wp = w + g * BF16_NR * K + p * BF16_NR * 2;
+            a0[g] = _mm512_dpbf16_ps(a0[g], xb, (__m512bh)_mm512_loadu_si512(wp));
+            a1[g] = _mm512_dpbf16_ps(a1[g], xb, (__m512bh)_mm512_loadu_si512(wp + 32));
+        }
+    }
+    ROWS_UNROLLED for (int g = 0; g < G; g++) {
+        const int64_t c = (t + g) * BF16_NR;
+        const llmd_tile_epilogue e =
+            llmd_bf16_tile_epilogue(bias ? bias + c : NULL, N - c < BF16_NR ? (int)(N - c) : BF16_NR, 0);
+        _mm256_mask_storeu_epi16(y + c, e.m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0[g], e.b0)));
+        _mm256_mask_storeu_epi16(y + c + 16, e.m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1[g], e.b1)));
+    }
+}
+
+static void bf16_row_tile_range(const uint16_t *x, const uint16_t *packed, int64_t K, int64_t N, int64_t t0,
+                                int64_t t1, const uint16_t *bias, uint16_t *y, int streams) {
+    for (int64_t t = t0; t < t1; t += streams) {
+        const int64_t g = t1 - t < streams ? t1 - t : streams;
+        if (g == 3) bf16_row_tiles(x, packed, K, N, t, bias, y, 3);
+        else if (g == 2) bf16_row_tiles(x, packed, K, N, t, bias, y, 2);
+        else bf16_row_tiles(x, packed, K, N, t, bias, y, 1);
+    }
+}
+
 #define BF16_CASE(R)                                                                                         \
     case R:                                                                                                  \
         if (out_f32) bf16_block(x, xs, tile, K, bias, y, ys, real, R, 1);                                    \
@@ -310,6 +348,15 @@ int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed
     if (nthreads < 1 || M < 1 || K % 2) return -1;
     if (llmd_bf16_linear_amx(x, x_stride, packed, bias, y, M, N, K, nthreads, 0) == 0) return 0;
     const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
+        const int streams = llmd_row_streams;
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+            bf16_row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
+        }
+        return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
         const uint16_t *tile = packed + t * BF16_NR * K;
