@@ -5,8 +5,8 @@ oneDNN (AMX where the CPU has it), at each row count, as the decode and prefill 
 
 One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the LM head at `rows` rows, on 30
 separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
-float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU), and at
-one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side.
+float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU); both
+dtypes at one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side.
 Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
 decides `AMX_MIN_ROWS_DEFAULT` (kernels/cpu_native.py), the row count from which bf16 linears take them. Prints the CPU and its flags first.
 """
@@ -124,7 +124,7 @@ def main() -> None:
             head
             + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else "")
             + (f" {'no next-tile prefetch':>22}" if ahead else "")
-            + (f" {'one tile at a time':>19}" if ahead else "")
+            + (f" {'one tile at a time':>19}" if nat is not None else "")
         )
         out[name] = []
         for r in rows_list:
@@ -148,7 +148,7 @@ def main() -> None:
                 tile_ahead(cpu_native.env_rows(cpu_native.AHEAD_ENV, cpu_native.TILE_AHEAD_ROWS_DEFAULT))
                 line += f" {cell(a)}"
                 row["native_no_ahead_s"] = a
-            if ahead and r == 1:
+            if nat is not None and r == 1:
                 row_streams(1)
                 a = best_of(nat, r, args.reps)
                 row_streams(cpu_native.env_rows(cpu_native.STREAMS_ENV, cpu_native.ROW_STREAMS_DEFAULT))
