@@ -79,8 +79,8 @@ def tile_ahead(rows: int) -> None:
 
 
 def row_streams(streams: int) -> None:
-    """float32 linears read `streams` weight tiles side by side at one row (1: a tile at a time); LLMDEPLOY_ROW_STREAMS
-    at load."""
+    """float32 and bf16 linears read `streams` weight tiles side by side at one row (1: a tile at a time);
+    LLMDEPLOY_ROW_STREAMS at load."""
     lib = cpu_native.library()
     if lib is not None:
         lib.llmd_row_streams_configure(streams)

@@ -51,7 +51,15 @@ SOURCES = tuple(
 # in the build key too: a change to one rebuilds
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("unroll.h", "avx2_tiles.h", "avx2_exp.h", "row_chunk.h", "lanes.h", "q_format.h")
+    for name in (
+        "unroll.h",
+        "avx2_tiles.h",
+        "avx2_exp.h",
+        "row_chunk.h",
+        "lanes.h",
+        "q_format.h",
+        "tile_groups.h",
+    )
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -63,8 +71,9 @@ AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
 # times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in a decode step 64.4 -> 47.6 ms)
 TILE_AHEAD_ROWS_DEFAULT = 64
 STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
-# weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time): bench/linear_rows.py times
-# 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1 decode 23.1 -> 16.5 ms/token)
+# weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time; csrc/tile_groups.h):
+# bench/linear_rows.py times 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1
+# decode 23.1 -> 16.5 ms/token)
 ROW_STREAMS_DEFAULT = 3
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int

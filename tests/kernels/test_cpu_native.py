@@ -5,6 +5,7 @@ and the fallback when nothing builds."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from pathlib import Path
@@ -112,6 +113,16 @@ KERNELS = [
 ]
 
 
+@contextlib.contextmanager
+def configured(configure, value: int, default: int):
+    """A load-time kernel setting (llmd_*_configure) at `value` for the block, back to `default` after it."""
+    assert configure(value) == value
+    try:
+        yield
+    finally:
+        configure(default)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11, 12, 13, 25, 40, 1100])  # 1100: chunks of 512, 512, 76
 @pytest.mark.parametrize("n", [70, 90])  # last tile: 6 channels (no second half), 26 (a partial second half)
@@ -146,11 +157,8 @@ def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, str
     w, x, b = torch.randn(n, k, generator=g), torch.randn(2, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    assert lib.llmd_row_streams_configure(streams) == streams
-    try:
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
         one = linear(x[:1], packed, b, n)
-    finally:
-        lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
     assert torch.equal(one, linear(x, packed, b, n)[:1])
     ref = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
     torch.testing.assert_close(one.double(), ref, atol=1e-4, rtol=1e-5)
@@ -167,11 +175,8 @@ def test_f32_linear_next_tile_prefetch_changes_no_bit(kernel, rows):
     packed = cpu_native.f32_pack(w)
     assert lib.llmd_tile_ahead_configure(64) == 64
     on = linear(x, packed, None, 200)
-    try:
-        assert lib.llmd_tile_ahead_configure(0) == 0
+    with configured(lib.llmd_tile_ahead_configure, 0, cpu_native.TILE_AHEAD_ROWS_DEFAULT):
         off = linear(x, packed, None, 200)
-    finally:
-        lib.llmd_tile_ahead_configure(cpu_native.TILE_AHEAD_ROWS_DEFAULT)
     assert torch.equal(on, off)
     torch.testing.assert_close(on.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
 
@@ -261,11 +266,8 @@ def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, m
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, k, generator=g).bfloat16()
     b, packed = torch.randn(n, generator=g).bfloat16(), cpu_native.bf16_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    assert lib.llmd_row_streams_configure(streams) == streams
-    try:
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
         one = cpu_native.bf16_linear(x[:1], packed, b, n)
-    finally:
-        lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
     assert torch.equal(one, cpu_native.bf16_linear(x, packed, b, n)[:1])
     exact = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
     assert ((one.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()

@@ -3,7 +3,6 @@
  *
  * Why its own micro-kernel: AVX2 has 16 vector registers of 8 floats, so the AVX-512 kernel's 12 rows x 32
  * channels do not fit; the block shapes it uses instead are in avx2_tiles.h. */
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -13,9 +12,9 @@
 #include <immintrin.h>
 
 #include "avx2_tiles.h"
+#include "tile_groups.h"
 
 extern int llmd_tile_ahead_rows; /* cpu_kernels.c: rows up to which a tile's later walks prefetch the next one */
-extern int llmd_row_streams;     /* cpu_kernels.c: tiles a one-row call walks at once */
 
 /* rows [0, MR) against channels [c0, c0 + 8 NV) of a tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
  * MR <= MR_HALF). Both lines of a k-row are prefetched PF rows ahead; a half block's 16 (0.93x the time of 8 at 12
@@ -90,9 +89,8 @@ static void half_rows_ahead(const float *x, int64_t xs, const float *tile, int64
 }
 
 /* one row against G (1-3) adjacent tiles in lockstep, tiles t.. of a linear of N channels: G weight streams at
- * once. One stream per core (a tile at a time, as rows_block) left Zen 2's memory at 26 GB/s; three reach 37-40, the
- * hardware prefetcher running ahead on each (bench/RESULTS.md). Each output still sums over k in order with one FMA
- * a step: the same bits as rows_block. No software prefetch: on top of the streams it cost 10-20%. */
+ * once (tile_groups.h). Each output still sums over k in order with one FMA a step: the same bits as rows_block.
+ * No software prefetch: on top of the streams it cost 10-20%. */
 static inline __attribute__((always_inline)) void row_tiles(const float *x, const float *packed, int64_t K, int64_t N,
                                                            int64_t t, const float *bias, float *y, const int G) {
     __m256 a[3][4];
@@ -107,17 +105,6 @@ static inline __attribute__((always_inline)) void row_tiles(const float *x, cons
         const int64_t c = (t + g) * NR;
         const int real = N - c < NR ? (int)(N - c) : NR;
         ROWS_UNROLLED for (int v = 0; v < 4; v++) store_lanes(a[g][v], 8 * v, bias ? bias + c : NULL, y + c, real);
-    }
-}
-
-/* tiles [t0, t1) of a one-row linear, `streams` (2 or 3) at a time */
-static void row_tile_range(const float *x, const float *packed, int64_t K, int64_t N, int64_t t0, int64_t t1,
-                           const float *bias, float *y, int streams) {
-    for (int64_t t = t0; t < t1; t += streams) {
-        const int64_t g = t1 - t < streams ? t1 - t : streams;
-        if (g == 3) row_tiles(x, packed, K, N, t, bias, y, 3);
-        else if (g == 2) row_tiles(x, packed, K, N, t, bias, y, 2);
-        else row_tiles(x, packed, K, N, t, bias, y, 1);
     }
 }
 
@@ -162,13 +149,10 @@ int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, 
 #if defined(__AVX2__) && defined(__FMA__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + NR - 1) / NR;
-    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
-        const int streams = llmd_row_streams;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
-        }
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
+#define ROW_WALK(t, G) row_tiles(x, packed, K, N, t, bias, y, G)
+        ONE_ROW_TILE_GROUPS(ROW_WALK);
+#undef ROW_WALK
         return 0;
     }
 #pragma omp parallel num_threads(nthreads)

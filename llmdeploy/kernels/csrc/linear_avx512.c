@@ -1,11 +1,9 @@
 /* The linears on packed weights for AVX-512 CPUs: float32 (AVX2 in f32_linear_avx2.c), bfloat16 (AVX-512 BF16;
  * AMX tiles in amx_linear.c), and GGUF-quantized weights at prefill sizes through the bf16 kernel. */
-#include <omp.h>
-
 #include "q_format.h"
+#include "tile_groups.h"
 
 extern int llmd_tile_ahead_rows; /* cpu_kernels.c */
-extern int llmd_row_streams;     /* cpu_kernels.c */
 int llmd_has_avx512(void);      /* cpu_kernels.c */
 
 /* ---------------------------------------------------------------- float32 linear (AVX-512) */
@@ -122,16 +120,6 @@ static inline __attribute__((always_inline)) void f32_row_tiles(const float *x, 
     }
 }
 
-static void f32_row_tile_range(const float *x, const float *packed, int64_t K, int64_t N, int64_t t0, int64_t t1,
-                               const float *bias, float *y, int streams) {
-    for (int64_t t = t0; t < t1; t += streams) {
-        const int64_t g = t1 - t < streams ? t1 - t : streams;
-        if (g == 3) f32_row_tiles(x, packed, K, N, t, bias, y, 3);
-        else if (g == 2) f32_row_tiles(x, packed, K, N, t, bias, y, 2);
-        else f32_row_tiles(x, packed, K, N, t, bias, y, 1);
-    }
-}
-
 #define F32_CASE(R) case R: f32_block(x, xs, tile, K, bias, y, ys, real, R); break;
 static void f32_rows(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
                      int64_t ys, int real, int64_t mr) {
@@ -158,13 +146,10 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
 #if defined(__AVX512F__)
     if (nthreads < 1 || M < 1) return -1;
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
-    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
-        const int streams = llmd_row_streams;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            f32_row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
-        }
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
+#define ROW_WALK(t, G) f32_row_tiles(x, packed, K, N, t, bias, y, G)
+        ONE_ROW_TILE_GROUPS(ROW_WALK);
+#undef ROW_WALK
         return 0;
     }
     /* up to llmd_tile_ahead_rows rows, walks 1.. of a tile each prefetch a share of the next tile, so its first
@@ -312,16 +297,6 @@ static inline __attribute__((always_inline)) void bf16_row_tiles(const uint16_t 
     }
 }
 
-static void bf16_row_tile_range(const uint16_t *x, const uint16_t *packed, int64_t K, int64_t N, int64_t t0,
-                                int64_t t1, const uint16_t *bias, uint16_t *y, int streams) {
-    for (int64_t t = t0; t < t1; t += streams) {
-        const int64_t g = t1 - t < streams ? t1 - t : streams;
-        if (g == 3) bf16_row_tiles(x, packed, K, N, t, bias, y, 3);
-        else if (g == 2) bf16_row_tiles(x, packed, K, N, t, bias, y, 2);
-        else bf16_row_tiles(x, packed, K, N, t, bias, y, 1);
-    }
-}
-
 #define BF16_CASE(R)                                                                                         \
     case R:                                                                                                  \
         if (out_f32) bf16_block(x, xs, tile, K, bias, y, ys, real, R, 1);                                    \
@@ -348,13 +323,10 @@ int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed
     if (nthreads < 1 || M < 1 || K % 2) return -1;
     if (llmd_bf16_linear_amx(x, x_stride, packed, bias, y, M, N, K, nthreads, 0) == 0) return 0;
     const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
-    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1, bound by the weight stream: tiles side by side */
-        const int streams = llmd_row_streams;
-#pragma omp parallel num_threads(nthreads)
-        {
-            const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-            bf16_row_tile_range(x, packed, K, N, tiles * id / nt, tiles * (id + 1) / nt, bias, y, streams);
-        }
+    if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
+#define ROW_WALK(t, G) bf16_row_tiles(x, packed, K, N, t, bias, y, G)
+        ONE_ROW_TILE_GROUPS(ROW_WALK);
+#undef ROW_WALK
         return 0;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)

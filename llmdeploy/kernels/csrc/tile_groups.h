@@ -1,0 +1,37 @@
+/* The one-row walk of the float32 and bf16 linears (f32_linear_avx2.c, linear_avx512.c): decode at batch 1 is bound
+ * by the weight stream, and one sequential stream a core left Zen 2's memory at 26 GB/s where three reach 37-40
+ * (bench/RESULTS.md), so each thread walks its share of the tiles up to llmd_row_streams at a time, side by side. */
+#ifndef LLMD_TILE_GROUPS_H
+#define LLMD_TILE_GROUPS_H
+#include <omp.h>
+#include <stdint.h>
+
+extern int llmd_row_streams; /* cpu_kernels.c: tiles a one-row call walks at once (1 = the many-row path's walk) */
+
+/* inside a parallel region: this thread's static share [*t0, *t1) of `tiles` */
+static inline void thread_tiles(int64_t tiles, int64_t *t0, int64_t *t1) {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    *t0 = tiles * id / nt;
+    *t1 = tiles * (id + 1) / nt;
+}
+
+/* tiles [t0, t1), `streams` (<= 3) at a time: WALK(t, G) with G a constant 1-3, so each walk is specialised */
+#define FOR_TILE_GROUPS(t0, t1, streams, WALK)                                                              \
+    for (int64_t t_ = (t0); t_ < (t1); t_ += (streams)) {                                                    \
+        const int64_t g_ = (t1) - t_ < (streams) ? (t1) - t_ : (streams);                                    \
+        if (g_ == 3) WALK(t_, 3);                                                                            \
+        else if (g_ == 2) WALK(t_, 2);                                                                       \
+        else WALK(t_, 1);                                                                                    \
+    }
+
+/* a linear's one-row call, whole: every thread walks its share with WALK (needs `tiles` and `nthreads`) */
+#define ONE_ROW_TILE_GROUPS(WALK)                                                                            \
+    do {                                                                                                     \
+        const int streams_ = llmd_row_streams;                                                               \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                     \
+            int64_t t0_, t1_;                                                                                \
+            thread_tiles(tiles, &t0_, &t1_);                                                                 \
+            FOR_TILE_GROUPS(t0_, t1_, streams_, WALK)                                                        \
+        }                                                                                                    \
+    } while (0)
+#endif
