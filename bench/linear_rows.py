@@ -6,7 +6,8 @@ oneDNN (AMX where the CPU has it), at each row count, as the decode and prefill 
 One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the LM head at `rows` rows, on 30
 separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
 float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU); both
-dtypes at one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side.
+dtypes at one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side, and so the AVX2
+float32 kernel up to SIDE_ROWS_DEFAULT rows (its small-batch walk; SIDE_ROWS_DEFAULT's evidence).
 Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
 decides `AMX_MIN_ROWS_DEFAULT` (kernels/cpu_native.py), the row count from which bf16 linears take them. Prints the CPU and its flags first.
 """
@@ -86,6 +87,25 @@ def row_streams(streams: int) -> None:
         lib.llmd_row_streams_configure(streams)
 
 
+def side_rows(rows: int) -> None:
+    """The AVX2 float32 linear reads tiles side by side up to `rows` rows (0: only one row); LLMDEPLOY_SIDE_ROWS at
+    load."""
+    lib = cpu_native.library()
+    if lib is not None:
+        lib.llmd_side_rows_configure(rows)
+
+
+def one_tile_at_a_time(nat, rows: int, reps: int) -> float:
+    """`nat` timed with every row count walking one weight tile at a time, the settings put back after."""
+    row_streams(1)
+    side_rows(0)
+    try:
+        return best_of(nat, rows, reps)
+    finally:
+        row_streams(cpu_native.env_rows(cpu_native.STREAMS_ENV, cpu_native.ROW_STREAMS_DEFAULT))
+        side_rows(cpu_native.env_rows(cpu_native.SIDE_ROWS_ENV, cpu_native.SIDE_ROWS_DEFAULT))
+
+
 def best_of(fn, rows: int, reps: int) -> float:
     fn(rows)
     ts = []
@@ -120,6 +140,7 @@ def main() -> None:
         print(f"\n{name}: all projections of a step (30 layers + LM head), ms (GFLOP/s)")
         head = f"{'rows':>5} {'oneDNN':>16} {'native':>16} {'native/oneDNN':>14}"
         ahead = nat is not None and dtype == torch.float32
+        avx2_f32 = ahead and not cpu_native.library().llmd_has_avx512()
         print(
             head
             + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else "")
@@ -148,10 +169,8 @@ def main() -> None:
                 tile_ahead(cpu_native.env_rows(cpu_native.AHEAD_ENV, cpu_native.TILE_AHEAD_ROWS_DEFAULT))
                 line += f" {cell(a)}"
                 row["native_no_ahead_s"] = a
-            if nat is not None and r == 1:
-                row_streams(1)
-                a = best_of(nat, r, args.reps)
-                row_streams(cpu_native.env_rows(cpu_native.STREAMS_ENV, cpu_native.ROW_STREAMS_DEFAULT))
+            if nat is not None and (r == 1 or (avx2_f32 and r <= cpu_native.SIDE_ROWS_DEFAULT)):
+                a = one_tile_at_a_time(nat, r, args.reps)
                 line += f" {cell(a):>19}"
                 row["native_one_stream_s"] = a
             print(line)

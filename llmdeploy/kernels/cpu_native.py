@@ -75,6 +75,11 @@ STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # bench/linear_rows.py times 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1
 # decode 23.1 -> 16.5 ms/token)
 ROW_STREAMS_DEFAULT = 3
+SIDE_ROWS_ENV = "LLMDEPLOY_SIDE_ROWS"
+# rows up to which the AVX2 float32 linear reads those tiles side by side too, a few rows at a time (0-16;
+# csrc/f32_linear_avx2.c rows_tiles). Zen 2, engine decode steps, this walk vs the one-tile walk in one process: batch
+# 3 28 -> 20 ms, 4 29 -> 23, 8 36 -> 29, 12 42 -> 40-43 (even), 16 slower; bench/linear_rows.py times both to 12 rows
+SIDE_ROWS_DEFAULT = 12
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 # argument lists shared by a kernel's float32 and bfloat16 variants
@@ -96,6 +101,7 @@ SIGNATURES = {
     "llmd_amx_configure": [c_int],
     "llmd_tile_ahead_configure": [c_int],
     "llmd_row_streams_configure": [c_int],
+    "llmd_side_rows_configure": [c_int],
     "llmd_paged_decode_attention": [
         c_ptr,
         c_int64,
@@ -251,6 +257,7 @@ def library() -> ctypes.CDLL | None:
     amx = lib.llmd_amx_configure(amx_min_rows())
     lib.llmd_tile_ahead_configure(env_rows(AHEAD_ENV, TILE_AHEAD_ROWS_DEFAULT))
     lib.llmd_row_streams_configure(env_rows(STREAMS_ENV, ROW_STREAMS_DEFAULT))
+    lib.llmd_side_rows_configure(env_rows(SIDE_ROWS_ENV, SIDE_ROWS_DEFAULT))
     log.info(
         "native CPU kernels loaded (%s%s)",
         "AVX2" if lib.llmd_has_avx2() else "portable C",

@@ -164,6 +164,33 @@ def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, str
     torch.testing.assert_close(one.double(), ref, atol=1e-4, rtol=1e-5)
 
 
+@needs_avx2
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 8, 12, 16, 17])  # blocks of 3 and 2; 17: past the side rows
+@pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 9 + 3])  # 7 and 10 tiles: groups of 3, 2 and 1
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("streams", [2, 3])
+def test_avx2_small_batch_side_by_side_is_the_bits_of_the_tile_walk(rows, n, threads, streams, monkeypatch):
+    """Up to llmd_side_rows rows (LLMDEPLOY_SIDE_ROWS) the AVX2 float32 linear reads `streams` tiles side by side in
+    chunks of k, carrying each output's sum between chunks; it is the same bits as the one-tile walk (side rows 0),
+    so a request's tokens do not depend on how many others share its step."""
+    lib, linear = cpu_native.library(), f32_linear_via("llmd_f32_linear_avx2")
+    g = torch.Generator().manual_seed(rows * n)
+    k = 77  # chunks of 16 k-rows and a ragged last one
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_native.f32_pack(w)
+    monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
+        side = linear(x, packed, b, n)
+        with configured(lib.llmd_side_rows_configure, 0, cpu_native.SIDE_ROWS_DEFAULT):
+            walk = linear(x, packed, b, n)
+    assert torch.equal(side, walk)
+    assert torch.equal(side[:1], linear(x[:1], packed, b, n))
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(side.double(), ref, atol=1e-4, rtol=1e-5)
+    assert lib.llmd_side_rows_configure(99) == 16  # clamped to the accumulators it has room for
+    lib.llmd_side_rows_configure(cpu_native.SIDE_ROWS_DEFAULT)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [3, 13, 25, 40, 64, 65])
 def test_f32_linear_next_tile_prefetch_changes_no_bit(kernel, rows):

@@ -11,6 +11,7 @@
  *   decode_step.c        a whole decode step in one call; argmax.c: greedy sampling
  */
 #include "lanes.h"
+#include "tile_groups.h"
 
 int llmd_has_avx2(void) { return LLMD_AVX2; }
 
@@ -30,11 +31,20 @@ int llmd_tile_ahead_configure(int rows) {
     return llmd_tile_ahead_rows;
 }
 
-/* weight tiles a float32 or bfloat16 linear walks at once for a single row (1 = one, with a software prefetch, as for two rows;
- * at most 3): several streams a core keep more of memory busy (f32_linear_avx2.c row_tiles). Set once at load
- * (llmd_row_streams_configure), read by every call. */
+/* weight tiles a float32 or bfloat16 linear walks at once for a single row, and the AVX2 float32 one up to
+ * llmd_side_rows rows (1 = one, with a software prefetch, as for many rows; at most 3): several streams a core keep
+ * more of memory busy (tile_groups.h). Set once at load (llmd_row_streams_configure), read by every call. */
 int llmd_row_streams = 3;
 int llmd_row_streams_configure(int streams) {
     llmd_row_streams = streams < 1 ? 1 : streams > 3 ? 3 : streams;
     return llmd_row_streams;
+}
+
+/* rows up to which the float32 linear on AVX2 walks llmd_row_streams tiles side by side as one row does, a few rows
+ * at a time (f32_linear_avx2.c rows_tiles); 0 or 1 = only one row; at most LLMD_SIDE_ROWS_MAX. Set once at load
+ * (llmd_side_rows_configure; SIDE_ROWS_DEFAULT in cpu_native.py says why 12). */
+int llmd_side_rows = 12;
+int llmd_side_rows_configure(int rows) {
+    llmd_side_rows = rows < 0 ? 0 : rows > LLMD_SIDE_ROWS_MAX ? LLMD_SIDE_ROWS_MAX : rows;
+    return llmd_side_rows;
 }

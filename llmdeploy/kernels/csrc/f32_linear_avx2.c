@@ -14,6 +14,7 @@
 #include "avx2_tiles.h"
 #include "tile_groups.h"
 
+extern int llmd_side_rows; /* cpu_kernels.c: rows up to which a call walks tiles side by side (rows_tiles) */
 extern int llmd_tile_ahead_rows; /* cpu_kernels.c: rows up to which a tile's later walks prefetch the next one */
 
 /* rows [0, MR) against channels [c0, c0 + 8 NV) of a tile: NV = 4 (the whole tile, MR <= MR_FULL) or 2 (a half,
@@ -108,6 +109,69 @@ static inline __attribute__((always_inline)) void row_tiles(const float *x, cons
     }
 }
 
+/* rows [0, MR) (1-3) against a whole tile over k-rows [k0, k1), the sums carried between chunks in acc (row i at
+ * acc + i * NR): reloaded and stored around each chunk, each output still one FMA a k in order from zero. Where `ahead`
+ * is given, the same k-rows of that tile are prefetched to L2 as this chunk goes. */
+static inline __attribute__((always_inline)) void rows_chunk(const float *x, int64_t xs, const float *tile, int64_t k0,
+                                                            int64_t k1, float *acc, const float *ahead, const int MR) {
+    __m256 a[3][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] =
+        k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * NR + 8 * v);
+    for (int64_t k = k0; k < k1; k++) {
+        const float *wp = tile + k * NR;
+        if (ahead) {
+            _mm_prefetch((const char *)(ahead + k * NR), _MM_HINT_T1);
+            _mm_prefetch((const char *)(ahead + k * NR + HALF), _MM_HINT_T1);
+        }
+        __m256 w[4];
+        ROWS_UNROLLED for (int v = 0; v < 4; v++) w[v] = _mm256_loadu_ps(wp + 8 * v);
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
+            ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_fmadd_ps(xb, w[v], a[i][v]);
+        }
+    }
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++)
+        _mm256_store_ps(acc + i * NR + 8 * v, a[i][v]);
+}
+
+static void block_chunk(const float *x, int64_t xs, const float *tile, int64_t k0, int64_t k1, float *acc,
+                        const float *ahead, int64_t mr) {
+    if (mr == 3) rows_chunk(x, xs, tile, k0, k1, acc, ahead, 3);
+    else if (mr == 2) rows_chunk(x, xs, tile, k0, k1, acc, ahead, 2);
+    else rows_chunk(x, xs, tile, k0, k1, acc, ahead, 1);
+}
+
+/* rows in block j of M rows cut into blocks of at most 3, balanced */
+static inline int64_t side_block_rows(int64_t M, int64_t j) {
+    const int64_t blocks = (M + 2) / 3;
+    return M / blocks + (j < M % blocks);
+}
+
+#define SIDE_KC 16 /* k-rows (2 KB) of a tile a pass takes before the next tile's */
+/* rows [0, M) (2..LLMD_SIDE_ROWS_MAX) against G (1-3) adjacent tiles t.. side by side, SIDE_KC k-rows of each in
+ * turn; each tile's first block prefetches the following tile's same k-rows (while it is below `tiles`). */
+static inline __attribute__((always_inline)) void rows_tiles(const float *x, int64_t xs, const float *packed,
+                                                            int64_t K, int64_t N, int64_t tiles, int64_t t,
+                                                            const float *bias, float *y, int64_t M, const int G) {
+    float acc[3][LLMD_SIDE_ROWS_MAX][NR] __attribute__((aligned(32)));
+    for (int64_t k0 = 0; k0 < K; k0 += SIDE_KC) {
+        const int64_t k1 = K - k0 < SIDE_KC ? K : k0 + SIDE_KC;
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            const float *tile = packed + (t + g) * NR * K;
+            const float *ahead = t + g + 1 < tiles ? tile + NR * K : NULL;
+            for (int64_t j = 0, m = 0; m < M; m += side_block_rows(M, j), j++)
+                block_chunk(x + m * xs, xs, tile, k0, k1, acc[g][m], j == 0 ? ahead : NULL, side_block_rows(M, j));
+        }
+    }
+    ROWS_UNROLLED for (int g = 0; g < G; g++) {
+        const int64_t c = (t + g) * NR;
+        const int real = N - c < NR ? (int)(N - c) : NR;
+        for (int64_t i = 0; i < M; i++)
+            for (int v = 0; v < 4; v++)
+                store_lanes(_mm256_load_ps(acc[g][i] + 8 * v), 8 * v, bias ? bias + c : NULL, y + i * N + c, real);
+    }
+}
+
 /* every row of x against one packed tile (`real` of its NR channels are outputs; y and bias at its first channel);
  * also the many-row path of q_linear_avx2.c, over a tile it dequantized. From 3 rows the tile is walked once per
  * block, the first walk from memory with few misses in flight (the hardware prefetcher retrains on each new tile).
@@ -151,8 +215,14 @@ int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, 
     const int64_t tiles = (N + NR - 1) / NR;
     if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
 #define ROW_WALK(t, G) row_tiles(x, packed, K, N, t, bias, y, G)
-        ONE_ROW_TILE_GROUPS(ROW_WALK);
+        SIDE_BY_SIDE_TILE_GROUPS(ROW_WALK);
 #undef ROW_WALK
+        return 0;
+    }
+    if (M >= 2 && M <= llmd_side_rows && llmd_row_streams > 1) { /* small batches: the same, a few rows at a time */
+#define ROWS_WALK(t, G) rows_tiles(x, x_stride, packed, K, N, tiles, t, bias, y, M, G)
+        SIDE_BY_SIDE_TILE_GROUPS(ROWS_WALK);
+#undef ROWS_WALK
         return 0;
     }
 #pragma omp parallel num_threads(nthreads)

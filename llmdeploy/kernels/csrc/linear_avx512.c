@@ -148,7 +148,7 @@ int llmd_f32_linear(const float *x, int64_t x_stride, const float *packed, const
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
     if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
 #define ROW_WALK(t, G) f32_row_tiles(x, packed, K, N, t, bias, y, G)
-        ONE_ROW_TILE_GROUPS(ROW_WALK);
+        SIDE_BY_SIDE_TILE_GROUPS(ROW_WALK);
 #undef ROW_WALK
         return 0;
     }
@@ -325,7 +325,7 @@ int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed
     const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
     if (M == 1 && llmd_row_streams > 1) { /* decode at batch 1: tiles side by side (tile_groups.h) */
 #define ROW_WALK(t, G) bf16_row_tiles(x, packed, K, N, t, bias, y, G)
-        ONE_ROW_TILE_GROUPS(ROW_WALK);
+        SIDE_BY_SIDE_TILE_GROUPS(ROW_WALK);
 #undef ROW_WALK
         return 0;
     }

@@ -1,12 +1,15 @@
-/* The one-row walk of the float32 and bf16 linears (f32_linear_avx2.c, linear_avx512.c): decode at batch 1 is bound
- * by the weight stream, and one sequential stream a core left Zen 2's memory at 26 GB/s where three reach 37-40
- * (bench/RESULTS.md), so each thread walks its share of the tiles up to llmd_row_streams at a time, side by side. */
+/* The side-by-side walk of the float32 and bf16 linears (f32_linear_avx2.c, linear_avx512.c): decode at batch 1 is
+ * bound by the weight stream, and one sequential stream a core left Zen 2's memory at 26 GB/s where three reach 37-40
+ * (bench/RESULTS.md), so each thread walks its share of the tiles up to llmd_row_streams at a time, side by side: at
+ * one row in every kernel, and up to llmd_side_rows rows (small batches) in the AVX2 float32 one. */
 #ifndef LLMD_TILE_GROUPS_H
 #define LLMD_TILE_GROUPS_H
 #include <omp.h>
 #include <stdint.h>
 
-extern int llmd_row_streams; /* cpu_kernels.c: tiles a one-row call walks at once (1 = the many-row path's walk) */
+#define LLMD_SIDE_ROWS_MAX 16 /* most rows a side-by-side walk takes (f32_linear_avx2.c rows_tiles) */
+
+extern int llmd_row_streams; /* cpu_kernels.c: tiles a side-by-side walk reads at once (1 = the many-row path's walk) */
 
 /* inside a parallel region: this thread's static share [*t0, *t1) of `tiles` */
 static inline void thread_tiles(int64_t tiles, int64_t *t0, int64_t *t1) {
@@ -24,8 +27,8 @@ static inline void thread_tiles(int64_t tiles, int64_t *t0, int64_t *t1) {
         else WALK(t_, 1);                                                                                    \
     }
 
-/* a linear's one-row call, whole: every thread walks its share with WALK (needs `tiles` and `nthreads`) */
-#define ONE_ROW_TILE_GROUPS(WALK)                                                                            \
+/* a linear's side-by-side call, whole: every thread walks its share with WALK (needs `tiles` and `nthreads`) */
+#define SIDE_BY_SIDE_TILE_GROUPS(WALK)                                                                            \
     do {                                                                                                     \
         const int streams_ = llmd_row_streams;                                                               \
         _Pragma("omp parallel num_threads(nthreads)") {                                                     \
