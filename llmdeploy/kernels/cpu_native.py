@@ -41,6 +41,7 @@ SOURCES = tuple(
         "q_linear.c",
         "f32_linear_avx2.c",
         "q_linear_avx2.c",
+        "qv_linear_avx2.c",
         "amx_linear.c",
         "prefill_attention.c",
         "prefill_attention_f32.c",
@@ -140,6 +141,8 @@ SIGNATURES = {
         for name in ("bf16", "f32")
     },
     "llmd_has_avx512_vnni": [],
+    "llmd_has_qv_linear": [],
+    "llmd_qv_exact_min_rows": [],
     "llmd_q_pack": [c_int, c_int, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_ptr],
     "llmd_q_linear": Q_LINEAR_ARGS,
     "llmd_q_linear_avx2": Q_LINEAR_ARGS,
@@ -453,13 +456,22 @@ class QPacked:
 
 
 def q_vnni_available() -> bool:
-    """Whether the VNNI kernel runs here (AVX-512 VNNI); LLMDEPLOY_QUANT_VNNI=0 keeps the float32 kernel."""
+    """Whether the VNNI layout's kernel runs here (AVX-512 VNNI, or AVX2's multiply-add pairs with the same bits);
+    LLMDEPLOY_QUANT_VNNI=0 keeps the float32 kernel."""
     lib = library()
     return (
         os.environ.get("LLMDEPLOY_QUANT_VNNI", "1") != "0"
         and lib is not None
-        and bool(lib.llmd_has_avx512_vnni())
+        and bool(lib.llmd_has_qv_linear())
     )
+
+
+def qv_exact_min_rows() -> int:
+    """Rows from which the VNNI layout's kernel takes x as float32 against the exact weights (the float layout's
+    bits at as many rows) instead of rounding it to int8: prefill on AVX2, where int8 products are no faster once
+    compute-bound; 0 = never (AVX-512 VNNI rounds every row)."""
+    lib = library()
+    return int(lib.llmd_qv_exact_min_rows()) if lib is not None else 0
 
 
 def q_pack(

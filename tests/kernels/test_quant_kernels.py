@@ -163,10 +163,71 @@ def test_vnni_kernel_equals_the_int8_rounded_product(fmt, rows, bias):
     x = torch.randn(rows, k)
     x[0, :Q_BLOCK] = 0.0  # a block of zeros: no scale to divide by
     out = cpu_native.q_linear(x, packed, b)
+    if 0 < cpu_native.qv_exact_min_rows() <= rows:  # AVX2 prefill: float32 rows, the float layout's bits
+        floats = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=False)
+        assert torch.equal(out, cpu_native.q_linear(x, floats, b))
+        return
     ref = int8_rounded_product(x, w) + (0.0 if b is None else b.double())
     torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-5)
     exact = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if b is None else b.double())
     assert float((out.double() - exact).norm() / exact.norm()) < 0.02  # what rounding x to int8 costs
+
+
+def rounded_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's int8 quants, scales and quant sums per block, in float32 steps as the kernels compute them."""
+    xb = x.view(x.shape[0], -1, Q_BLOCK)
+    amax = xb.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xb * inv[..., None])
+    return xq, amax / 127.0, xq.sum(-1)
+
+
+@pytest.mark.skipif(
+    cpu_native.qv_exact_min_rows() == 0, reason="another kernel runs the int8 products in this build"
+)
+@pytest.mark.parametrize("fmt", list(QFormat))
+def test_avx2_int8_products_are_the_vnni_kernels_float_steps(fmt):
+    """Below qv_exact_min_rows rows the AVX2 kernel sums each block's integer products exactly and adds them into
+    float32 sums in the AVX-512 VNNI kernel's steps: per block in order one fused multiply-add of the sum by
+    d * dx (rounded to float32), Q4 then one of dx * sum(xq) by m, then + bias; modelled here in float64 (exact
+    products, the sums rounded to float32). A Q8 quant of -128, which GGUF files may hold, is exact too."""
+    rows, n, k = cpu_native.qv_exact_min_rows() - 1, 70, 160
+    w, b = random_blocks(fmt, n, k, seed=11), torch.randn(n)
+    if fmt == QFormat.Q8:
+        w.q[:3, :40] = -128
+    x = torch.randn(rows, k) * 4
+    out = cpu_native.q_linear(x, cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=True), b)
+    xq, dx, xqsum = rounded_x(x)
+    q = w.q.to(torch.int64).view(n, -1, Q_BLOCK)
+    sums = torch.einsum("rbk,nbk->rnb", xq.to(torch.int64), q)  # exact
+    acc = torch.zeros(rows, n)
+    for blk in range(k // Q_BLOCK):
+        scale = w.d[:, blk].float()[None] * dx[:, blk, None]  # float32 product
+        acc = (sums[:, :, blk].double() * scale.double() + acc.double()).float()
+        if w.m is not None:
+            mx = dx[:, blk] * xqsum[:, blk]
+            acc = (mx.double()[:, None] * w.m[:, blk].double()[None] + acc.double()).float()
+    assert torch.equal(out, acc + b)
+
+
+@pytest.mark.skipif(not cpu_native.q_vnni_available(), reason="no kernel for the int8 products here")
+@pytest.mark.parametrize("fmt", list(QFormat))
+def test_int8_products_give_a_row_the_same_bits_in_any_batch(fmt):
+    """A row's output does not depend on the rows beside it nor on how many weight tiles a thread reads side by
+    side (LLMDEPLOY_ROW_STREAMS), below and across qv_exact_min_rows."""
+    lib, n, k = cpu_native.library(), 32 * 7 + 5, 96  # 8 tiles: groups of 3, 2 and 1 a thread
+    w = random_blocks(fmt, n, k, seed=5)
+    packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=True)
+    most = cpu_native.qv_exact_min_rows() - 1 if cpu_native.qv_exact_min_rows() else 19
+    x = torch.randn(most, k)
+    alone = torch.cat([cpu_native.q_linear(x[i : i + 1], packed, None) for i in range(most)])
+    for streams in (1, 2, 3):
+        assert lib.llmd_row_streams_configure(streams) == streams
+        try:
+            for rows in (1, 2, 3, 5, most):
+                assert torch.equal(cpu_native.q_linear(x[:rows], packed, None), alone[:rows])
+        finally:
+            lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
 
 
 @pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])

@@ -267,7 +267,21 @@ static void qv_rows(int fmt, const int8_t *xq, int64_t K, const float *dx, const
 }
 #endif
 
-/* llmd_q_linear's contract with the weights llmd_q_pack packed with vnni = 1. -2 without AVX-512 VNNI. */
+int llmd_has_qv_linear_avx2(void);
+int llmd_qv_linear_avx2(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
+                        int64_t, int); /* qv_linear_avx2.c */
+
+int llmd_qv_avx2_exact_min_rows(void);
+
+/* whether llmd_qv_linear runs here: AVX-512 VNNI, or AVX2's pairs of multiply-adds (qv_linear_avx2.c) */
+int llmd_has_qv_linear(void) { return llmd_has_avx512_vnni() || llmd_has_qv_linear_avx2(); }
+
+/* rows from which llmd_qv_linear takes x as float32 against the exact weights instead of rounding it to int8:
+ * QV_DEQUANT_MIN_ROWS on AVX2, 0 (never) with AVX-512 VNNI or without a kernel */
+int llmd_qv_exact_min_rows(void) { return llmd_has_avx512_vnni() ? 0 : llmd_qv_avx2_exact_min_rows(); }
+
+/* llmd_q_linear's contract with the weights llmd_q_pack packed with vnni = 1; on CPUs without AVX-512 VNNI the AVX2
+ * kernel's (the same bits), -2 without either. */
 int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -292,7 +306,6 @@ int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *pac
     free(xq), free(dx), free(xqsum);
     return 0;
 #else
-    (void)fmt; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
-    return -2;
+    return llmd_qv_linear_avx2(fmt, x, x_stride, packed, bias, y, M, N, K, nthreads);
 #endif
 }

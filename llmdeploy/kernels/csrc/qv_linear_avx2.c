@@ -1,0 +1,253 @@
+/* The VNNI layout's linear (llmd_qv_linear: x rounded to int8 per block, exact integer dot products, as llama.cpp
+ * computes GGUF weights) on AVX2 CPUs without AVX-512 VNNI: q_linear.c hands its calls here on such CPUs.
+ *
+ * Why: the float kernel (q_linear_avx2.c) widens, converts and scales every weight once per row block: from cache,
+ * 2 Zen 2 threads, one row of SmolLM2's projections ran 23-31 G multiply-adds a second there and 53 here, 8 rows
+ * 59 and 78-81. vpdpbusd's 4 products a lane become vpmaddubsw (pairs into int16) + vpmaddwd (pairs of those into
+ * int32): Q8 through the sign trick (|q| unsigned times xq with q's sign, so no pair can saturate: |q| <= 128,
+ * |xq| <= 127), Q4 directly (q <= 15). The integer sums are exact, x is rounded as in q_linear.c and each block's
+ * sums go into the float32 sums in the VNNI kernel's float steps in its order (tested against a float64 model of
+ * those steps: the emulated AVX-512 build rounds its FMAs twice, so it cannot stand in for the hardware's bits). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "unroll.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "tile_groups.h"
+
+#define QB 32
+#define NR 32
+/* From how many rows a call runs as float32 rows against each tile dequantized once (into L2) by the float32 kernel:
+ * the bits of q_linear_avx2.c's float layout at as many rows. Zen 2, SmolLM2 gguf (Q4_1) prefill of 128 and 512
+ * tokens: the int8 products 15-23% slower than the float path (both compute-bound there). */
+#define QV_DEQUANT_MIN_ROWS 20
+#define QV_MR 2 /* rows a pass over a tile: 4 int32 accumulators a row of AVX2's 16 registers */
+enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in q_format.h */
+
+static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* x row -> per block: int8 quants (xq), scale dx, sum of quants (q_linear.c qv_quantize_row's rounding) */
+static void quantize_row(const float *x, int64_t blocks, int8_t *xq, float *dx, int32_t *xqsum) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 v[4];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + b * QB + 8 * j);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                       _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+        const float amax = hmax8(m), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+        /* packs work within 128-bit lanes: the permute puts the 32 bytes back in input order */
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * QB),
+                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        dx[b] = amax / 127.0f;
+        xqsum[b] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+    }
+}
+
+/* the 4 products of a lane's 4 quants (q, signed) with 4 inputs (xb), summed into int32 */
+static inline __m256i dot4_q8(__m256i abs_q, __m256i q, __m256i xb) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_q, _mm256_sign_epi8(xb, q)), _mm256_set1_epi16(1));
+}
+static inline __m256i dot4_q4(__m256i q, __m256i xb) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xb), _mm256_set1_epi16(1));
+}
+
+/* rows [0, MR) of xq against block b of a tile, the float32 sums of its 32 channels carried in acc (row i at
+ * acc + i * NR). Vector v of a group's quants holds channels 8 v .. 8 v + 7 (Q8: the 128 bytes in order; Q4: the
+ * low nibbles of the two 32-byte halves are channels 0-15, the high nibbles 16-31). */
+static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int64_t K, const float *dx,
+                                                          const int32_t *xqsum, const uint8_t *hdr, int64_t b,
+                                                          float *acc, const int MR, const int fmt) {
+    const int64_t blocks = K / QB;
+    const uint8_t *qs = hdr + (fmt == Q4 ? 128 : 64);
+    __m256i s[QV_MR][4];
+    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) s[i][v] =
+        _mm256_setzero_si256();
+    for (int g = 0; g < QB / 4; g++) {
+        __m256i xb[QV_MR];
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+            int32_t four;
+            memcpy(&four, xq + i * K + b * QB + 4 * g, 4);
+            xb[i] = _mm256_set1_epi32(four);
+        }
+        if (fmt == Q8) {
+            ROWS_UNROLLED for (int v = 0; v < 4; v++) {
+                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + g * 128 + 32 * v)),
+                                                   _mm256_set1_epi8((char)0x80)); /* stored + 128 */
+                const __m256i abs_q = _mm256_abs_epi8(q);
+                ROWS_UNROLLED for (int i = 0; i < MR; i++) s[i][v] =
+                    _mm256_add_epi32(s[i][v], dot4_q8(abs_q, q, xb[i]));
+            }
+        } else {
+            const __m256i low4 = _mm256_set1_epi8(15);
+            ROWS_UNROLLED for (int h = 0; h < 2; h++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + g * 64 + 32 * h));
+                const __m256i lo = _mm256_and_si256(bytes, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+                ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+                    s[i][h] = _mm256_add_epi32(s[i][h], dot4_q4(lo, xb[i]));
+                    s[i][2 + h] = _mm256_add_epi32(s[i][2 + h], dot4_q4(hi, xb[i]));
+                }
+            }
+        }
+    }
+    ROWS_UNROLLED for (int v = 0; v < 4; v++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * v)));
+        const __m256 m = fmt == Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * v)))
+                                   : _mm256_setzero_ps();
+        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
+            const float sx = dx[i * blocks + b];
+            __m256 a = b == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * NR + 8 * v);
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][v]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
+            if (fmt == Q4) a = _mm256_fmadd_ps(_mm256_set1_ps(sx * (float)xqsum[i * blocks + b]), m, a);
+            _mm256_store_ps(acc + i * NR + 8 * v, a);
+        }
+    }
+}
+
+static void block_rows(int fmt, const int8_t *xq, int64_t K, const float *dx, const int32_t *xqsum,
+                       const uint8_t *hdr, int64_t b, float *acc, int64_t mr) {
+    if (mr == 2) {
+        if (fmt == Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q4);
+        else qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q8);
+    } else if (fmt == Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q4);
+    else qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q8);
+}
+
+/* every row of xq against G (1-3) adjacent tiles t.. side by side, block by block (G weight streams at once, as the
+ * float32 linears' one-row walk: tile_groups.h); each output's blocks still summed in order */
+static inline __attribute__((always_inline)) void tiles_rows(int fmt, const int8_t *xq, int64_t K, const float *dx,
+                                                            const int32_t *xqsum, const uint8_t *packed,
+                                                            const float *bias, float *y, int64_t N, int64_t M,
+                                                            int64_t t, const int G) {
+    const int64_t blocks = K / QB, bb = block_bytes(fmt), tile_bytes = blocks * bb;
+    float acc[3][QV_MR][NR] __attribute__((aligned(32)));
+    for (int64_t m = 0; m < M; m += QV_MR) {
+        const int64_t mr = M - m < QV_MR ? M - m : QV_MR;
+        for (int64_t b = 0; b < blocks; b++)
+            ROWS_UNROLLED for (int g = 0; g < G; g++)
+                block_rows(fmt, xq + m * K, K, dx + m * blocks, xqsum + m * blocks,
+                           packed + (t + g) * tile_bytes + b * bb, b, acc[g][0], mr);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            const int64_t c = (t + g) * NR;
+            const int real = N - c < NR ? (int)(N - c) : NR;
+            for (int64_t i = 0; i < mr; i++)
+                for (int j = 0; j < real; j++)
+                    y[(m + i) * N + c + j] = acc[g][i][j] + (bias ? bias[c + j] : 0.0f);
+        }
+    }
+}
+
+void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
+                             int64_t, const float *); /* f32_linear_avx2.c */
+
+/* the tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR], each weight the value
+ * q_linear_avx2.c's dequant_tile makes of the float layout (Q8 d * q, exact; Q4 one FMA q * d + m) */
+static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
+    const int64_t bb = block_bytes(fmt);
+    for (int64_t b = 0; b < K / QB; b++) {
+        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
+        __m256 d[4], m[4];
+        for (int v = 0; v < 4; v++) {
+            d[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * v)));
+            m[v] = fmt == Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * v))) : d[v];
+        }
+        float *w = wt + b * QB * NR;
+        for (int g = 0; g < QB / 4; g++)
+            for (int v = 0; v < 4; v++) { /* lanes: channels 8 v.., each lane's 4 bytes the inputs 4 g + j */
+                const __m256i lanes =
+                    fmt == Q8 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + g * 128 + 32 * v)),
+                                                 _mm256_set1_epi8((char)0x80))
+                              : _mm256_loadu_si256((const __m256i *)(qs + g * 64 + 32 * (v & 1)));
+                for (int j = 0; j < 4; j++) {
+                    __m256 q;
+                    if (fmt == Q8) q = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * j), 24));
+                    else {
+                        const int shift = 8 * j + (v < 2 ? 0 : 4); /* channels 16-31: the high nibbles */
+                        q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, shift), _mm256_set1_epi32(15)));
+                    }
+                    _mm256_storeu_ps(w + (4 * g + j) * NR + 8 * v,
+                                     fmt == Q8 ? _mm256_mul_ps(q, d[v]) : _mm256_fmadd_ps(q, d[v], m[v]));
+                }
+            }
+    }
+}
+#endif
+
+/* rows from which llmd_qv_linear_avx2 runs float32 rows (x not rounded); 0 without AVX2 */
+int llmd_qv_avx2_exact_min_rows(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return QV_DEQUANT_MIN_ROWS;
+#else
+    return 0;
+#endif
+}
+
+int llmd_has_qv_linear_avx2(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* llmd_qv_linear's contract on AVX2 + FMA + F16C below QV_DEQUANT_MIN_ROWS rows (from there float32 rows and exact
+ * weights); -2 without them. Each thread walks its share of the tiles llmd_row_streams at a time (tile_groups.h). */
+int llmd_qv_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
+                        int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q8 && fmt != Q4)) return -1;
+    const int64_t tiles = (N + NR - 1) / NR, blocks = K / QB;
+    if (M >= QV_DEQUANT_MIN_ROWS) { /* prefill: float32 rows against the exact weights (q_linear_avx2.c's way) */
+        const int64_t tile_bytes = blocks * block_bytes(fmt);
+        float *wts = malloc(sizeof(float) * (size_t)(nthreads * K * NR)); /* a dequantized tile a thread */
+        if (!wts) return -3;
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *wt = wts + omp_get_thread_num() * K * NR;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                dequant_tile(fmt, packed + t * tile_bytes, K, wt);
+                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, bias ? bias + t * NR : NULL, y + t * NR, N,
+                                        N - t * NR < NR ? (int)(N - t * NR) : NR, M, NULL);
+            }
+        }
+        free(wts);
+        return 0;
+    }
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * blocks));
+    int32_t *xqsum = malloc(sizeof(int32_t) * (size_t)(M * blocks));
+    if (!xq || !dx || !xqsum) {
+        free(xq), free(dx), free(xqsum);
+        return -3;
+    }
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * x_stride, blocks, xq + i * K, dx + i * blocks, xqsum + i * blocks);
+#define QV_WALK(t, G) tiles_rows(fmt, xq, K, dx, xqsum, packed, bias, y, N, M, t, G)
+    SIDE_BY_SIDE_TILE_GROUPS(QV_WALK);
+#undef QV_WALK
+    free(xq), free(dx), free(xqsum);
+    return 0;
+#else
+    (void)fmt; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
+}
