@@ -56,6 +56,7 @@ HEADERS = tuple(
         "unroll.h",
         "avx2_tiles.h",
         "avx2_exp.h",
+        "avx2_reduce.h",
         "row_chunk.h",
         "lanes.h",
         "q_format.h",

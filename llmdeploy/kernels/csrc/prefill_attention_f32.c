@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "avx2_exp.h"
+#include "avx2_reduce.h"
 
 #define PF_KEYS 16 /* keys per K tile: two 8-lane score vectors */
 #define PF_MR 6    /* query rows per block: 6 x 2 accumulators + 2 K (or V) vectors + 1 broadcast = 15 registers */
@@ -99,18 +100,6 @@ static inline __attribute__((always_inline)) void block_pv(const PrefillArgs *a,
             _mm256_storeu_ps(out[i] + d0 + 8, _mm256_mul_ps(acc1[i], inv));
         }
     }
-}
-
-static inline float hsum8(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline float hmax8(__m256 x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
 /* softmax of s[0, len) * scale, unnormalised, in place over s[0, width) (zero from len on); returns the sum */

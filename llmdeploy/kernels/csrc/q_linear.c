@@ -271,14 +271,14 @@ int llmd_has_qv_linear_avx2(void);
 int llmd_qv_linear_avx2(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t,
                         int64_t, int); /* qv_linear_avx2.c */
 
-int llmd_qv_avx2_exact_min_rows(void);
+int llmd_q_dequant_min_rows_avx2(void); /* q_linear_avx2.c */
 
 /* whether llmd_qv_linear runs here: AVX-512 VNNI, or AVX2's pairs of multiply-adds (qv_linear_avx2.c) */
 int llmd_has_qv_linear(void) { return llmd_has_avx512_vnni() || llmd_has_qv_linear_avx2(); }
 
 /* rows from which llmd_qv_linear takes x as float32 against the exact weights instead of rounding it to int8:
  * QV_DEQUANT_MIN_ROWS on AVX2, 0 (never) with AVX-512 VNNI or without a kernel */
-int llmd_qv_exact_min_rows(void) { return llmd_has_avx512_vnni() ? 0 : llmd_qv_avx2_exact_min_rows(); }
+int llmd_qv_exact_min_rows(void) { return llmd_has_avx512_vnni() ? 0 : llmd_q_dequant_min_rows_avx2(); }
 
 /* llmd_q_linear's contract with the weights llmd_q_pack packed with vnni = 1; on CPUs without AVX-512 VNNI the AVX2
  * kernel's (the same bits), -2 without either. */

@@ -16,6 +16,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#include <omp.h>
 
 #include "avx2_tiles.h"
 
@@ -80,17 +81,40 @@ static inline __attribute__((always_inline)) void rows_block(const int fmt, cons
 void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
                              int64_t, const float *); /* f32_linear_avx2.c */
 
-/* the tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR] */
-static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
+/* a tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR], each weight as dequant8 makes
+ * it (Q8 d * q, exact; Q4 one FMA q * d + m), from the float layout or the VNNI one (q_linear.c: per 4 inputs, a
+ * channel's 4 quants a 32-bit lane; Q8 stored + 128) */
+static void dequant_tile(int fmt, int vnni, const uint8_t *tile, int64_t K, float *wt) {
     const int64_t bb = block_bytes(fmt);
     for (int64_t b = 0; b < K / QB; b++) {
         const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
         float dm[64];
         block_scales(fmt, hdr, dm);
-        for (int64_t kk = 0; kk < QB; kk++)
-            for (int c0 = 0; c0 < NR; c0 += 8) {
-                const __m256 w = fmt == Q4 ? dequant8(Q4, qs, kk, c0, dm) : dequant8(Q8, qs, kk, c0, dm);
-                _mm256_storeu_ps(wt + (b * QB + kk) * NR + c0, w);
+        float *w = wt + b * QB * NR;
+        if (!vnni) {
+            for (int64_t kk = 0; kk < QB; kk++)
+                for (int c0 = 0; c0 < NR; c0 += 8)
+                    _mm256_storeu_ps(w + kk * NR + c0, fmt == Q4 ? dequant8(Q4, qs, kk, c0, dm) : dequant8(Q8, qs, kk, c0, dm));
+            continue;
+        }
+        for (int g = 0; g < QB / 4; g++)
+            for (int v = 0; v < 4; v++) { /* lanes: channels 8 v.., a lane's 4 bytes the inputs 4 g .. 4 g + 3 */
+                const __m256i lanes =
+                    fmt == Q8 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + g * 128 + 32 * v)),
+                                                 _mm256_set1_epi8((char)0x80))
+                              : _mm256_loadu_si256((const __m256i *)(qs + g * 64 + 32 * (v & 1)));
+                const __m256 d = _mm256_loadu_ps(dm + 8 * v);
+                for (int j = 0; j < 4; j++) {
+                    if (fmt == Q8) {
+                        const __m256i q = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * j), 24);
+                        _mm256_storeu_ps(w + (4 * g + j) * NR + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+                    } else { /* channels 16-31: the high nibbles */
+                        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(lanes, 8 * j + (v < 2 ? 0 : 4)),
+                                                           _mm256_set1_epi32(15));
+                        _mm256_storeu_ps(w + (4 * g + j) * NR + 8 * v,
+                                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, _mm256_loadu_ps(dm + 32 + 8 * v)));
+                    }
+                }
             }
     }
 }
@@ -129,27 +153,54 @@ int llmd_has_q_linear_avx2(void) {
 #endif
 }
 
+int llmd_q_dequant_min_rows_avx2(void) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return DEQUANT_MIN_ROWS;
+#else
+    return 0;
+#endif
+}
+
+/* y = x @ w^T + bias with each tile of either layout (`vnni`) dequantized once (into L2) and run by the float32
+ * kernel: what both AVX2 block-quantized linears do from DEQUANT_MIN_ROWS rows, so the layouts give the same bits
+ * there. -3 if out of memory, -2 without AVX2 + FMA + F16C. */
+int llmd_q_dequantized_linear_avx2(int fmt, int vnni, const float *x, int64_t x_stride, const uint8_t *packed,
+                                   const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    const int64_t tiles = (N + NR - 1) / NR, tile_bytes = (K / QB) * block_bytes(fmt);
+    float *wts = malloc(sizeof(float) * (size_t)(nthreads * K * NR)); /* a dequantized tile a thread */
+    if (!wts) return -3;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *wt = wts + omp_get_thread_num() * K * NR;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            dequant_tile(fmt, vnni, packed + t * tile_bytes, K, wt);
+            llmd_f32_tile_rows_avx2(x, x_stride, wt, K, bias ? bias + t * NR : NULL, y + t * NR, N,
+                                    N - t * NR < NR ? (int)(N - t * NR) : NR, M, NULL);
+        }
+    }
+    free(wts);
+    return 0;
+#else
+    (void)fmt; (void)vnni; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    (void)nthreads;
+    return -2;
+#endif
+}
+
 /* llmd_q_linear's contract on AVX2 + FMA + F16C; -2 without them. Threads split the channel tiles. */
 int llmd_q_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (K % QB || nthreads < 1 || M < 1 || (fmt != Q8 && fmt != Q4)) return -1;
+    /* from DEQUANT_MIN_ROWS rows a tile is dequantized once and runs at the float32 kernel's speed */
+    if (M >= DEQUANT_MIN_ROWS) return llmd_q_dequantized_linear_avx2(fmt, 0, x, x_stride, packed, bias, y, M, N, K, nthreads);
     const int64_t tiles = (N + NR - 1) / NR, tile_bytes = (K / QB) * block_bytes(fmt);
-#pragma omp parallel num_threads(nthreads)
-    {
-        /* from DEQUANT_MIN_ROWS rows a tile is dequantized once (into L2) and runs at the float32 kernel's speed */
-        float *wt = M >= DEQUANT_MIN_ROWS ? malloc(sizeof(float) * (size_t)(K * NR)) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const uint8_t *tile = packed + t * tile_bytes;
-            const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
-            const float *tb = bias ? bias + t * NR : NULL;
-            if (wt) {
-                dequant_tile(fmt, tile, K, wt);
-                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, tb, y + t * NR, N, real, M, NULL);
-            } else tile_rows(fmt, x, x_stride, tile, K, tb, y + t * NR, N, real, M);
-        }
-        free(wt);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
+        tile_rows(fmt, x, x_stride, packed + t * tile_bytes, K, bias ? bias + t * NR : NULL, y + t * NR, N, real, M);
     }
     return 0;
 #else

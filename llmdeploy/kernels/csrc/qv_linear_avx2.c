@@ -17,30 +17,21 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "avx2_reduce.h"
 #include "tile_groups.h"
 
 #define QB 32
 #define NR 32
-/* From how many rows a call runs as float32 rows against each tile dequantized once (into L2) by the float32 kernel:
- * the bits of q_linear_avx2.c's float layout at as many rows. Zen 2, SmolLM2 gguf (Q4_1) prefill of 128 and 512
- * tokens: the int8 products 15-23% slower than the float path (both compute-bound there). */
-#define QV_DEQUANT_MIN_ROWS 20
+/* q_linear_avx2.c: from these rows a call runs float32 rows against each tile dequantized once (either layout), the
+ * float layout's bits at as many rows. Here too: Zen 2, SmolLM2 gguf (Q4_1) prefill of 128 and 512 tokens, the int8
+ * products ran 15-23% slower than that path (both compute-bound there). */
+int llmd_q_dequant_min_rows_avx2(void);
+int llmd_q_dequantized_linear_avx2(int, int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t,
+                                   int64_t, int64_t, int);
 #define QV_MR 2 /* rows a pass over a tile: 4 int32 accumulators a row of AVX2's 16 registers */
 enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in q_format.h */
 
 static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
-
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline int32_t hsum8_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
 
 /* x row -> per block: int8 quants (xq), scale dx, sum of quants (q_linear.c qv_quantize_row's rounding) */
 static void quantize_row(const float *x, int64_t blocks, int8_t *xq, float *dx, int32_t *xqsum) {
@@ -156,50 +147,7 @@ static inline __attribute__((always_inline)) void tiles_rows(int fmt, const int8
     }
 }
 
-void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
-                             int64_t, const float *); /* f32_linear_avx2.c */
-
-/* the tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR], each weight the value
- * q_linear_avx2.c's dequant_tile makes of the float layout (Q8 d * q, exact; Q4 one FMA q * d + m) */
-static void dequant_tile(int fmt, const uint8_t *tile, int64_t K, float *wt) {
-    const int64_t bb = block_bytes(fmt);
-    for (int64_t b = 0; b < K / QB; b++) {
-        const uint8_t *hdr = tile + b * bb, *qs = hdr + (fmt == Q4 ? 128 : 64);
-        __m256 d[4], m[4];
-        for (int v = 0; v < 4; v++) {
-            d[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * v)));
-            m[v] = fmt == Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * v))) : d[v];
-        }
-        float *w = wt + b * QB * NR;
-        for (int g = 0; g < QB / 4; g++)
-            for (int v = 0; v < 4; v++) { /* lanes: channels 8 v.., each lane's 4 bytes the inputs 4 g + j */
-                const __m256i lanes =
-                    fmt == Q8 ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + g * 128 + 32 * v)),
-                                                 _mm256_set1_epi8((char)0x80))
-                              : _mm256_loadu_si256((const __m256i *)(qs + g * 64 + 32 * (v & 1)));
-                for (int j = 0; j < 4; j++) {
-                    __m256 q;
-                    if (fmt == Q8) q = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lanes, 24 - 8 * j), 24));
-                    else {
-                        const int shift = 8 * j + (v < 2 ? 0 : 4); /* channels 16-31: the high nibbles */
-                        q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, shift), _mm256_set1_epi32(15)));
-                    }
-                    _mm256_storeu_ps(w + (4 * g + j) * NR + 8 * v,
-                                     fmt == Q8 ? _mm256_mul_ps(q, d[v]) : _mm256_fmadd_ps(q, d[v], m[v]));
-                }
-            }
-    }
-}
 #endif
-
-/* rows from which llmd_qv_linear_avx2 runs float32 rows (x not rounded); 0 without AVX2 */
-int llmd_qv_avx2_exact_min_rows(void) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    return QV_DEQUANT_MIN_ROWS;
-#else
-    return 0;
-#endif
-}
 
 int llmd_has_qv_linear_avx2(void) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -209,30 +157,15 @@ int llmd_has_qv_linear_avx2(void) {
 #endif
 }
 
-/* llmd_qv_linear's contract on AVX2 + FMA + F16C below QV_DEQUANT_MIN_ROWS rows (from there float32 rows and exact
- * weights); -2 without them. Each thread walks its share of the tiles llmd_row_streams at a time (tile_groups.h). */
+/* llmd_qv_linear's contract on AVX2 + FMA + F16C below llmd_q_dequant_min_rows_avx2() rows (from there float32 rows
+ * and exact weights); -2 without them. Each thread walks its share of the tiles llmd_row_streams at a time (tile_groups.h). */
 int llmd_qv_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                         int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (K % QB || nthreads < 1 || M < 1 || (fmt != Q8 && fmt != Q4)) return -1;
+    if (M >= llmd_q_dequant_min_rows_avx2()) /* prefill: float32 rows against the exact weights */
+        return llmd_q_dequantized_linear_avx2(fmt, 1, x, x_stride, packed, bias, y, M, N, K, nthreads);
     const int64_t tiles = (N + NR - 1) / NR, blocks = K / QB;
-    if (M >= QV_DEQUANT_MIN_ROWS) { /* prefill: float32 rows against the exact weights (q_linear_avx2.c's way) */
-        const int64_t tile_bytes = blocks * block_bytes(fmt);
-        float *wts = malloc(sizeof(float) * (size_t)(nthreads * K * NR)); /* a dequantized tile a thread */
-        if (!wts) return -3;
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *wt = wts + omp_get_thread_num() * K * NR;
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                dequant_tile(fmt, packed + t * tile_bytes, K, wt);
-                llmd_f32_tile_rows_avx2(x, x_stride, wt, K, bias ? bias + t * NR : NULL, y + t * NR, N,
-                                        N - t * NR < NR ? (int)(N - t * NR) : NR, M, NULL);
-            }
-        }
-        free(wts);
-        return 0;
-    }
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * blocks));
     int32_t *xqsum = malloc(sizeof(int32_t) * (size_t)(M * blocks));
