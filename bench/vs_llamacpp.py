@@ -1,13 +1,14 @@
 """This engine against llama.cpp on the same GGUF, through each one's OpenAI-compatible server (issue 13, item 6).
 
     python bench/vs_llamacpp.py --llama-python /path/to/venv/bin/python [--clients 1,8] [--requests 8,32]
-                                [--variants auto,int8,gguf] [--json out.json]
+                                [--variants auto,int8,gguf,gguf-float] [--json out.json]
 
 llama.cpp comes from llama-cpp-python, installed in its own venv (never the project's): `pip install
 "llama-cpp-python[server]"` builds it from its sdist (about 6 minutes on 2 cores). Both servers get the embedded
 SmolLM2-135M-Instruct GGUF (Q4_1): llama.cpp runs its Q4_1 weights as they are; this engine dequantizes them at
 load to the dtype it serves (`auto`), re-quantizes them to int8 blocks (`int8`), or serves the file's own Q4_1 /
-Q8_0 blocks as llama.cpp does (`gguf`, model.quantization: gguf). One server runs at a time (2 cores), each
+Q8_0 blocks as llama.cpp does (`gguf`, model.quantization: gguf; `gguf-float` keeps each layer's input in float32
+where `gguf` rounds it to int8 as llama.cpp does). One server runs at a time (2 cores), each
 driven by `llmdeploy bench` with workload W's shape (128-token prompts, 128 output tokens, EOS ignored), closed
 loop at each --clients level. Prints one table (and the JSON of every level with --json).
 """
@@ -75,9 +76,14 @@ def server_cmd(name: str, gguf: Path, port: int, llama_python: str) -> tuple[lis
         return cmd, f"http://127.0.0.1:{port}/v1/models"
     cmd = [sys.executable, "-m", "llmdeploy.engine", "--model", str(gguf), "--served-alias", ALIAS]
     cmd += ["--port", str(port), "--max-model-len", "2048", "--log-level", "warning"]
-    if name in ("int8", "gguf"):
-        cmd += ["--dtype", "float32", "--quantization", name]
+    if name in ("int8", "gguf", "gguf-float"):
+        cmd += ["--dtype", "float32", "--quantization", name.removesuffix("-float")]
     return cmd, f"http://127.0.0.1:{port}/health"
+
+
+# gguf-float: the file's blocks with every layer input kept in float32 (LLMDEPLOY_QUANT_VNNI=0), beside gguf's
+# llama.cpp-style int8 inputs where a kernel for them runs
+VARIANT_ENV = {"gguf-float": {"LLMDEPLOY_QUANT_VNNI": "0"}}
 
 
 def bench_level(port: int, clients: int, requests: int, out: Path) -> dict:
@@ -95,7 +101,8 @@ def run_server(name: str, gguf: Path, args, tmp: Path) -> list[dict]:
     port = free_port()
     cmd, ready = server_cmd(name, gguf, port, args.llama_python)
     with open(tmp / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **VARIANT_ENV.get(name, {})}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         rows = []
         try:
             wait_ready(ready, proc)
@@ -148,7 +155,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="auto,int8,gguf",
-        help="this engine's: auto (dtype auto), int8, gguf (the file's blocks)",
+        help="this engine's: auto (dtype auto), int8, gguf (the file's blocks), gguf-float (gguf, inputs never int8)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
