@@ -39,7 +39,8 @@ class ModelSpec(Section):
         "int8 blocks at load (GGUF's Q8_0 layout; a quarter of float32's bytes for bandwidth-bound decode), inputs "
         "kept in float; gguf: a .gguf model's own Q8_0/Q4_0/Q4_1 weights served as stored, without a float copy "
         "(other types dequantized), each layer's input rounded to int8 per block as llama.cpp does where the CPU "
-        "has AVX-512 VNNI",
+        "has AVX-512 VNNI, and on AVX2 CPUs below 20 rows (decode; prefill keeps float inputs there); "
+        "LLMDEPLOY_QUANT_VNNI=0 keeps float inputs everywhere",
     )
 
     @field_validator("path")

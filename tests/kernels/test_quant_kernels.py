@@ -157,6 +157,8 @@ def test_int8_layers_are_weight_only():
 def test_vnni_kernel_equals_the_int8_rounded_product(fmt, rows, bias):
     n, k = 70, 96
     w = random_blocks(fmt, n, k, seed=100 + rows)
+    if fmt == QFormat.Q8:
+        w.q[:2, :10] = -128  # GGUF files may hold it; quantize_q8 does not make it
     b = torch.randn(n) if bias else None
     packed = cpu_native.q_pack(fmt, w.q, w.d, w.m, vnni=True)
     assert packed is not None and packed.vnni
