@@ -457,8 +457,8 @@ class QPacked:
 
 
 def q_vnni_available() -> bool:
-    """Whether the VNNI layout's kernel runs here (AVX-512 VNNI, or AVX2's multiply-add pairs with the same bits);
-    LLMDEPLOY_QUANT_VNNI=0 keeps the float32 kernel."""
+    """Whether the VNNI layout's kernel runs here (AVX-512 VNNI, or AVX2's multiply-add pairs in the same integer
+    sums and float steps, below qv_exact_min_rows rows); LLMDEPLOY_QUANT_VNNI=0 keeps the float32 kernel."""
     lib = library()
     return (
         os.environ.get("LLMDEPLOY_QUANT_VNNI", "1") != "0"

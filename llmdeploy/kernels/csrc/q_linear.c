@@ -277,11 +277,11 @@ int llmd_q_dequant_min_rows_avx2(void); /* q_linear_avx2.c */
 int llmd_has_qv_linear(void) { return llmd_has_avx512_vnni() || llmd_has_qv_linear_avx2(); }
 
 /* rows from which llmd_qv_linear takes x as float32 against the exact weights instead of rounding it to int8:
- * QV_DEQUANT_MIN_ROWS on AVX2, 0 (never) with AVX-512 VNNI or without a kernel */
+ * DEQUANT_MIN_ROWS (q_linear_avx2.c) on AVX2, 0 (never) with AVX-512 VNNI or without a kernel */
 int llmd_qv_exact_min_rows(void) { return llmd_has_avx512_vnni() ? 0 : llmd_q_dequant_min_rows_avx2(); }
 
 /* llmd_q_linear's contract with the weights llmd_q_pack packed with vnni = 1; on CPUs without AVX-512 VNNI the AVX2
- * kernel's (the same bits), -2 without either. */
+ * kernel's (the same integer sums and float steps below llmd_qv_exact_min_rows rows), -2 without either. */
 int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                    int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

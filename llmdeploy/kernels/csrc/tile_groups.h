@@ -1,7 +1,8 @@
 /* The side-by-side walk of the float32 and bf16 linears (f32_linear_avx2.c, linear_avx512.c): decode at batch 1 is
  * bound by the weight stream, and one sequential stream a core left Zen 2's memory at 26 GB/s where three reach 37-40
  * (bench/RESULTS.md), so each thread walks its share of the tiles up to llmd_row_streams at a time, side by side: at
- * one row in every kernel, and up to llmd_side_rows rows (small batches) in the AVX2 float32 one. */
+ * one row in every kernel, up to llmd_side_rows rows (small batches) in the AVX2 float32 one, and at any row count
+ * in the AVX2 int8 products (qv_linear_avx2.c). */
 #ifndef LLMD_TILE_GROUPS_H
 #define LLMD_TILE_GROUPS_H
 #include <omp.h>
