@@ -15,12 +15,14 @@
 #define MR_FULL 2   /* rows up to which a block takes the whole tile */
 #define MR_HALF 6   /* rows per half-tile block */
 
-/* rows in block j of M rows cut into ceil(M / MR_HALF) blocks of balanced sizes: 32 rows run 6+6+5+5+5+5, not
- * 6+6+6+6+6+2, whose 2-row block costs a 6-row one's time (0.89x the time at 32 rows on Zen 2) */
-static inline int64_t half_block_rows(int64_t M, int64_t j) {
-    const int64_t blocks = (M + MR_HALF - 1) / MR_HALF;
+/* rows in block j of M rows cut into ceil(M / most) blocks of balanced sizes: 32 rows in blocks of up to 6 run
+ * 6+6+5+5+5+5, not 6+6+6+6+6+2, whose 2-row block costs a 6-row one's time (0.89x the time at 32 rows on Zen 2) */
+static inline int64_t balanced_block_rows(int64_t M, int64_t j, int64_t most) {
+    const int64_t blocks = (M + most - 1) / most;
     return M / blocks + (j < M % blocks);
 }
+
+static inline int64_t half_block_rows(int64_t M, int64_t j) { return balanced_block_rows(M, j, MR_HALF); }
 
 /* 8 lanes of sums + bias -> y[0, n) (n: the real channels left, full store from 8); by value, so the accumulators
  * stay in registers (an array of them passed by address made gcc store all twelve every iteration) */

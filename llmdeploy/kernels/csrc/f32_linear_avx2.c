@@ -109,12 +109,14 @@ static inline __attribute__((always_inline)) void row_tiles(const float *x, cons
     }
 }
 
-/* rows [0, MR) (1-3) against a whole tile over k-rows [k0, k1), the sums carried between chunks in acc (row i at
+#define SIDE_MR 3 /* rows a block of the side-by-side walk takes against a whole tile: 12 accumulators */
+
+/* rows [0, MR) (1-SIDE_MR) against a whole tile over k-rows [k0, k1), the sums carried between chunks in acc (row i at
  * acc + i * NR): reloaded and stored around each chunk, each output still one FMA a k in order from zero. Where `ahead`
  * is given, the same k-rows of that tile are prefetched to L2 as this chunk goes. */
 static inline __attribute__((always_inline)) void rows_chunk(const float *x, int64_t xs, const float *tile, int64_t k0,
                                                             int64_t k1, float *acc, const float *ahead, const int MR) {
-    __m256 a[3][4];
+    __m256 a[SIDE_MR][4];
     ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] =
         k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * NR + 8 * v);
     for (int64_t k = k0; k < k1; k++) {
@@ -136,15 +138,9 @@ static inline __attribute__((always_inline)) void rows_chunk(const float *x, int
 
 static void block_chunk(const float *x, int64_t xs, const float *tile, int64_t k0, int64_t k1, float *acc,
                         const float *ahead, int64_t mr) {
-    if (mr == 3) rows_chunk(x, xs, tile, k0, k1, acc, ahead, 3);
+    if (mr == SIDE_MR) rows_chunk(x, xs, tile, k0, k1, acc, ahead, SIDE_MR);
     else if (mr == 2) rows_chunk(x, xs, tile, k0, k1, acc, ahead, 2);
     else rows_chunk(x, xs, tile, k0, k1, acc, ahead, 1);
-}
-
-/* rows in block j of M rows cut into blocks of at most 3, balanced */
-static inline int64_t side_block_rows(int64_t M, int64_t j) {
-    const int64_t blocks = (M + 2) / 3;
-    return M / blocks + (j < M % blocks);
 }
 
 #define SIDE_KC 16 /* k-rows (2 KB) of a tile a pass takes before the next tile's */
@@ -159,8 +155,10 @@ static inline __attribute__((always_inline)) void rows_tiles(const float *x, int
         ROWS_UNROLLED for (int g = 0; g < G; g++) {
             const float *tile = packed + (t + g) * NR * K;
             const float *ahead = t + g + 1 < tiles ? tile + NR * K : NULL;
-            for (int64_t j = 0, m = 0; m < M; m += side_block_rows(M, j), j++)
-                block_chunk(x + m * xs, xs, tile, k0, k1, acc[g][m], j == 0 ? ahead : NULL, side_block_rows(M, j));
+            for (int64_t j = 0, m = 0, mr; m < M; m += mr, j++) {
+                mr = balanced_block_rows(M, j, SIDE_MR);
+                block_chunk(x + m * xs, xs, tile, k0, k1, acc[g][m], j == 0 ? ahead : NULL, mr);
+            }
         }
     }
     ROWS_UNROLLED for (int g = 0; g < G; g++) {

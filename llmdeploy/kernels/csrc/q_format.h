@@ -36,6 +36,18 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* x's int8 copy for the VNNI layout's kernels (q_linear.c, qv_linear_avx2.c), M rows of K: per row the quants, per
+ * block a scale and the quants' sum, in one allocation (the returned pointer, for free; NULL if out of memory) */
+static inline void *qv_inputs_alloc(int64_t M, int64_t K, int8_t **xq, float **dx, int32_t **xqsum) {
+    const size_t scales = (size_t)(M * (K / QB));
+    char *p = malloc(scales * (sizeof(float) + sizeof(int32_t)) + (size_t)(M * K));
+    if (!p) return NULL;
+    *dx = (float *)p;
+    *xqsum = (int32_t *)(p + scales * sizeof(float));
+    *xq = (int8_t *)(p + scales * (sizeof(float) + sizeof(int32_t)));
+    return p;
+}
+
 /* rows of a tile's float32 sums (tmp, Q_NR per row) + bias -> y, the tile's `real` channels only */
 static inline void q_store_row(const float *tmp, const float *bias, float *y, int real) {
     for (int c = 0; c < real; c++) y[c] = tmp[c] + (bias ? bias[c] : 0.0f);

@@ -287,13 +287,11 @@ int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *pac
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (K % QB || nthreads < 1 || M < 1 || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
     const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB, tile_bytes = blocks * q_block_bytes(fmt);
-    int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * blocks));
-    int32_t *xqsum = malloc(sizeof(int32_t) * (size_t)(M * blocks));
-    if (!xq || !dx || !xqsum) {
-        free(xq), free(dx), free(xqsum);
-        return -3;
-    }
+    int8_t *xq;
+    float *dx;
+    int32_t *xqsum;
+    void *inputs = qv_inputs_alloc(M, K, &xq, &dx, &xqsum);
+    if (!inputs) return -3;
     for (int64_t i = 0; i < M; i++) qv_quantize_row(x + i * x_stride, blocks, xq + i * K, dx + i * blocks, xqsum + i * blocks);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -303,7 +301,7 @@ int llmd_qv_linear(int fmt, const float *x, int64_t x_stride, const uint8_t *pac
             qv_rows(fmt, xq + m * K, K, dx + m * blocks, xqsum + m * blocks, tile, bias ? bias + t * Q_NR : NULL,
                     y + m * N + t * Q_NR, N, real, M - m < Q_MR ? M - m : Q_MR);
     }
-    free(xq), free(dx), free(xqsum);
+    free(inputs);
     return 0;
 #else
     return llmd_qv_linear_avx2(fmt, x, x_stride, packed, bias, y, M, N, K, nthreads);

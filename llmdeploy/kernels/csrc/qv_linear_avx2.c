@@ -18,10 +18,9 @@
 #include <immintrin.h>
 
 #include "avx2_reduce.h"
+#include "q_format.h"
 #include "tile_groups.h"
 
-#define QB 32
-#define NR 32
 /* q_linear_avx2.c: from these rows a call runs float32 rows against each tile dequantized once (either layout), the
  * float layout's bits at as many rows. Here too: Zen 2, SmolLM2 gguf (Q4_1) prefill of 128 and 512 tokens, the int8
  * products ran 15-23% slower than that path (both compute-bound there). */
@@ -29,9 +28,6 @@ int llmd_q_dequant_min_rows_avx2(void);
 int llmd_q_dequantized_linear_avx2(int, int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t,
                                    int64_t, int64_t, int);
 #define QV_MR 2 /* rows a pass over a tile: 4 int32 accumulators a row of AVX2's 16 registers */
-enum { Q8 = 0, Q4 = 1 }; /* Q_FMT_* in q_format.h */
-
-static inline int64_t block_bytes(int fmt) { return fmt == Q4 ? 2 * 64 + QB * 16 : 64 + QB * 32; }
 
 /* x row -> per block: int8 quants (xq), scale dx, sum of quants (q_linear.c qv_quantize_row's rounding) */
 static void quantize_row(const float *x, int64_t blocks, int8_t *xq, float *dx, int32_t *xqsum) {
@@ -62,13 +58,13 @@ static inline __m256i dot4_q4(__m256i q, __m256i xb) {
 }
 
 /* rows [0, MR) of xq against block b of a tile, the float32 sums of its 32 channels carried in acc (row i at
- * acc + i * NR). Vector v of a group's quants holds channels 8 v .. 8 v + 7 (Q8: the 128 bytes in order; Q4: the
+ * acc + i * Q_NR). Vector v of a group's quants holds channels 8 v .. 8 v + 7 (Q8: the 128 bytes in order; Q4: the
  * low nibbles of the two 32-byte halves are channels 0-15, the high nibbles 16-31). */
 static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int64_t K, const float *dx,
                                                           const int32_t *xqsum, const uint8_t *hdr, int64_t b,
                                                           float *acc, const int MR, const int fmt) {
     const int64_t blocks = K / QB;
-    const uint8_t *qs = hdr + (fmt == Q4 ? 128 : 64);
+    const uint8_t *qs = hdr + (fmt == Q_FMT_Q4 ? 128 : 64);
     __m256i s[QV_MR][4];
     ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) s[i][v] =
         _mm256_setzero_si256();
@@ -79,7 +75,7 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
             memcpy(&four, xq + i * K + b * QB + 4 * g, 4);
             xb[i] = _mm256_set1_epi32(four);
         }
-        if (fmt == Q8) {
+        if (fmt == Q_FMT_Q8) {
             ROWS_UNROLLED for (int v = 0; v < 4; v++) {
                 const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + g * 128 + 32 * v)),
                                                    _mm256_set1_epi8((char)0x80)); /* stored + 128 */
@@ -102,14 +98,14 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
     }
     ROWS_UNROLLED for (int v = 0; v < 4; v++) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * v)));
-        const __m256 m = fmt == Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * v)))
+        const __m256 m = fmt == Q_FMT_Q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * v)))
                                    : _mm256_setzero_ps();
         ROWS_UNROLLED for (int i = 0; i < MR; i++) {
             const float sx = dx[i * blocks + b];
-            __m256 a = b == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * NR + 8 * v);
+            __m256 a = b == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * Q_NR + 8 * v);
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i][v]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
-            if (fmt == Q4) a = _mm256_fmadd_ps(_mm256_set1_ps(sx * (float)xqsum[i * blocks + b]), m, a);
-            _mm256_store_ps(acc + i * NR + 8 * v, a);
+            if (fmt == Q_FMT_Q4) a = _mm256_fmadd_ps(_mm256_set1_ps(sx * (float)xqsum[i * blocks + b]), m, a);
+            _mm256_store_ps(acc + i * Q_NR + 8 * v, a);
         }
     }
 }
@@ -117,10 +113,10 @@ static inline __attribute__((always_inline)) void qv_block(const int8_t *xq, int
 static void block_rows(int fmt, const int8_t *xq, int64_t K, const float *dx, const int32_t *xqsum,
                        const uint8_t *hdr, int64_t b, float *acc, int64_t mr) {
     if (mr == 2) {
-        if (fmt == Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q4);
-        else qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q8);
-    } else if (fmt == Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q4);
-    else qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q8);
+        if (fmt == Q_FMT_Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q_FMT_Q4);
+        else qv_block(xq, K, dx, xqsum, hdr, b, acc, 2, Q_FMT_Q8);
+    } else if (fmt == Q_FMT_Q4) qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q_FMT_Q4);
+    else qv_block(xq, K, dx, xqsum, hdr, b, acc, 1, Q_FMT_Q8);
 }
 
 /* every row of xq against G (1-3) adjacent tiles t.. side by side, block by block (G weight streams at once, as the
@@ -129,8 +125,8 @@ static inline __attribute__((always_inline)) void tiles_rows(int fmt, const int8
                                                             const int32_t *xqsum, const uint8_t *packed,
                                                             const float *bias, float *y, int64_t N, int64_t M,
                                                             int64_t t, const int G) {
-    const int64_t blocks = K / QB, bb = block_bytes(fmt), tile_bytes = blocks * bb;
-    float acc[3][QV_MR][NR] __attribute__((aligned(32)));
+    const int64_t blocks = K / QB, bb = q_block_bytes(fmt), tile_bytes = blocks * bb;
+    float acc[3][QV_MR][Q_NR] __attribute__((aligned(32)));
     for (int64_t m = 0; m < M; m += QV_MR) {
         const int64_t mr = M - m < QV_MR ? M - m : QV_MR;
         for (int64_t b = 0; b < blocks; b++)
@@ -138,8 +134,8 @@ static inline __attribute__((always_inline)) void tiles_rows(int fmt, const int8
                 block_rows(fmt, xq + m * K, K, dx + m * blocks, xqsum + m * blocks,
                            packed + (t + g) * tile_bytes + b * bb, b, acc[g][0], mr);
         ROWS_UNROLLED for (int g = 0; g < G; g++) {
-            const int64_t c = (t + g) * NR;
-            const int real = N - c < NR ? (int)(N - c) : NR;
+            const int64_t c = (t + g) * Q_NR;
+            const int real = N - c < Q_NR ? (int)(N - c) : Q_NR;
             for (int64_t i = 0; i < mr; i++)
                 for (int j = 0; j < real; j++)
                     y[(m + i) * N + c + j] = acc[g][i][j] + (bias ? bias[c + j] : 0.0f);
@@ -162,22 +158,20 @@ int llmd_has_qv_linear_avx2(void) {
 int llmd_qv_linear_avx2(int fmt, const float *x, int64_t x_stride, const uint8_t *packed, const float *bias, float *y,
                         int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q8 && fmt != Q4)) return -1;
+    if (K % QB || nthreads < 1 || M < 1 || (fmt != Q_FMT_Q8 && fmt != Q_FMT_Q4)) return -1;
     if (M >= llmd_q_dequant_min_rows_avx2()) /* prefill: float32 rows against the exact weights */
         return llmd_q_dequantized_linear_avx2(fmt, 1, x, x_stride, packed, bias, y, M, N, K, nthreads);
-    const int64_t tiles = (N + NR - 1) / NR, blocks = K / QB;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * blocks));
-    int32_t *xqsum = malloc(sizeof(int32_t) * (size_t)(M * blocks));
-    if (!xq || !dx || !xqsum) {
-        free(xq), free(dx), free(xqsum);
-        return -3;
-    }
+    const int64_t tiles = (N + Q_NR - 1) / Q_NR, blocks = K / QB;
+    int8_t *xq;
+    float *dx;
+    int32_t *xqsum;
+    void *inputs = qv_inputs_alloc(M, K, &xq, &dx, &xqsum);
+    if (!inputs) return -3;
     for (int64_t i = 0; i < M; i++) quantize_row(x + i * x_stride, blocks, xq + i * K, dx + i * blocks, xqsum + i * blocks);
 #define QV_WALK(t, G) tiles_rows(fmt, xq, K, dx, xqsum, packed, bias, y, N, M, t, G)
     SIDE_BY_SIDE_TILE_GROUPS(QV_WALK);
 #undef QV_WALK
-    free(xq), free(dx), free(xqsum);
+    free(inputs);
     return 0;
 #else
     (void)fmt; (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
