@@ -393,7 +393,13 @@ def report(shape: ModelShape, c: Ceilings) -> list[str]:
     for d in c.dtypes.values():
         paths = ", ".join(f"{k} {v:.0f}" for k, v in d.peak_paths.items())
         rows = ", ".join(f"{r} rows {g:.0f}" for r, g in d.shape_gflops.items())
-        native = "" if native_dtype(d.dtype, c.cpu.flags) else " (no native support on this CPU: emulated)"
+        native = (
+            ""
+            if native_dtype(d.dtype, c.cpu.flags)
+            else " (no bf16 units on this CPU: the native kernel widens to float32)"
+            if "native" in d.peak_paths
+            else " (no native support on this CPU: emulated)"
+        )
         lines.append(
             f"GEMM {d.dtype}{native}: peak {d.peak_gflops:.0f} GFLOP/s at {PEAK_ROWS}x{shape.hidden}x"
             f"{shape.intermediate} ({paths}); model projections + head: {rows}"

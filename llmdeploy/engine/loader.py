@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
 from llmdeploy.engine.gguf_blocks import read_block_weights
 from llmdeploy.engine.models import model_class
-from llmdeploy.engine.models.layers import onednn_linear_available
+from llmdeploy.engine.models.layers import packed_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
 from llmdeploy.engine.parallel.shard import Shard, shard_picker
 from llmdeploy.engine.rope import rope_inv_freq
@@ -197,12 +197,12 @@ def speed_up(
     quantization: str = "none",
     compile: bool | None = None,
 ) -> None:
-    """CPU: int8 projections when asked for (model.quantization), else oneDNN-packed projections
+    """CPU: int8 projections when asked for (model.quantization), else packed projections (native or oneDNN)
     (bench/RESULTS.md); then torch.compile of the decoder layers when asked for (engine.compile), its code cached
     on disk (inductor_cache_dir)."""
     if quantization == "int8":
         model.quantize_int8()
-    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_linear_available(dtype):
+    elif device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and packed_linear_available(dtype):
         model.pack_for_cpu()
     if use_compile(device, backend, compile):
         use_inductor_cache_dir()

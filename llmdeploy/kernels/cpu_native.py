@@ -40,6 +40,7 @@ SOURCES = tuple(
         "linear_avx512.c",
         "q_linear.c",
         "f32_linear_avx2.c",
+        "bf16_linear_avx2.c",
         "q_linear_avx2.c",
         "qv_linear_avx2.c",
         "amx_linear.c",
@@ -55,10 +56,12 @@ HEADERS = tuple(
     for name in (
         "unroll.h",
         "avx2_tiles.h",
+        "avx2_side_walk.h",
         "avx2_exp.h",
         "avx2_reduce.h",
         "row_chunk.h",
         "lanes.h",
+        "bf16_lanes.h",
         "q_format.h",
         "tile_groups.h",
     )
@@ -95,11 +98,14 @@ SIGNATURES = {
     "llmd_has_f32_linear": [],
     "llmd_has_f32_linear_avx2": [],
     "llmd_has_avx512_bf16": [],
+    "llmd_has_bf16_linear": [],
+    "llmd_has_bf16_linear_avx2": [],
     "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_f32_linear": LINEAR_ARGS,
     "llmd_f32_linear_avx2": LINEAR_ARGS,
     "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
     "llmd_bf16_linear": LINEAR_ARGS,
+    "llmd_bf16_linear_avx2": LINEAR_ARGS,
     "llmd_amx_configure": [c_int],
     "llmd_tile_ahead_configure": [c_int],
     "llmd_row_streams_configure": [c_int],
@@ -606,8 +612,16 @@ def f32_linear(
 
 
 def bf16_linear_available() -> bool:
-    """Whether the native bfloat16 linear runs here (AVX-512 BF16's vdpbf16ps)."""
-    return _native_linear_runs("llmd_has_avx512_bf16")
+    """Whether the native bfloat16 linear runs here: AVX-512 BF16's vdpbf16ps, or AVX2 + FMA widening each weight
+    to float32 with vdpbf16ps's arithmetic (csrc/bf16_linear_avx2.c)."""
+    return _native_linear_runs("llmd_has_bf16_linear")
+
+
+def avx512_bf16_available() -> bool:
+    """Whether the kernels built here have AVX-512 BF16's instructions (the bf16 prefill attention, the many-row
+    block-quantized linear's bf16 products, AMX's neighbour)."""
+    lib = library()
+    return lib is not None and bool(lib.llmd_has_avx512_bf16())
 
 
 def bf16_pack(weight: torch.Tensor) -> torch.Tensor | None:

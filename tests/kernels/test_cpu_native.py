@@ -252,12 +252,19 @@ def test_packed_linear_without_any_packing_kernel_runs_its_weight(monkeypatch):
         torch.testing.assert_close(packed(x), lin(x))
 
 
-needs_avx512_bf16 = pytest.mark.skipif(
-    not cpu_native.bf16_linear_available(), reason="the native bfloat16 linear needs AVX-512 BF16"
+def layers_onednn_bf16() -> bool:
+    from llmdeploy.engine.models.layers import onednn_linear_available
+
+    return onednn_linear_available(torch.bfloat16)
+
+
+needs_bf16_linear = pytest.mark.skipif(
+    not cpu_native.bf16_linear_available(),
+    reason="the native bfloat16 linear needs AVX-512 BF16 or AVX2 + FMA",
 )
 
 
-@needs_avx512_bf16
+@needs_bf16_linear
 @pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 25, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
@@ -282,7 +289,7 @@ def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
     )
 
 
-@needs_avx512_bf16
+@needs_bf16_linear
 @pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 9 + 3])  # 7 and 10 tiles: groups of 3, 2 and 1
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("streams", [1, 3])
@@ -300,7 +307,47 @@ def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, m
     assert ((one.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
 
 
-@needs_avx512_bf16
+def vdpbf16ps_steps(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T + b in vdpbf16ps's steps: each output from zero adds, input pair by pair, the odd input's product
+    and then the even one's, rounding to float32 after each add (a bf16 product is exact in float32, so that is
+    an FMA's rounding; float64 holds each sum exactly here), then + bias (0 without one), rounded to bf16."""
+    xs, ws = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for p in range(x.shape[1] // 2):
+        for j in (2 * p + 1, 2 * p):
+            acc = (acc.double() + xs[:, j, None] * ws[None, :, j]).float()
+    return (acc + (b.float() if b is not None else 0.0)).bfloat16()
+
+
+needs_bf16_avx2 = pytest.mark.skipif(
+    not (cpu_native.available() and cpu_native.library().llmd_has_bf16_linear_avx2()),
+    reason="the AVX2 bf16 linear needs AVX2 + FMA",
+)
+
+
+@needs_bf16_avx2
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 12, 13, 17, 33])
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("side_rows", [0, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_bf16_linear_takes_vdpbf16ps_steps(rows, streams, side_rows, bias):
+    """The AVX2 kernel widens the bf16 weights and keeps vdpbf16ps's arithmetic, bit for bit, at every row count
+    and walk (one row's side-by-side tiles, small batches' chunks of side-by-side tiles, whole widened tiles);
+    7 and 10 tiles split between 2 threads give groups of 3, 2 and 1, K = 78 a last chunk of 14 inputs."""
+    lib, g = cpu_native.library(), torch.Generator().manual_seed(rows * 10 + streams)
+    k = 78
+    for n in (32 * 7 - 5, 32 * 9 + 3):
+        w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16() if bias else None
+        with (
+            configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT),
+            configured(lib.llmd_side_rows_configure, side_rows, cpu_native.SIDE_ROWS_DEFAULT),
+        ):
+            out = cpu_native._packed_linear("llmd_bf16_linear_avx2", x, cpu_native.bf16_pack(w), b, n)
+        assert torch.equal(out.view(torch.int16), vdpbf16ps_steps(x, w, b).view(torch.int16))
+
+
+@needs_bf16_linear
 def test_bf16_linear_declines_what_it_does_not_cover():
     w = torch.randn(8, 5).bfloat16()
     assert cpu_native.bf16_pack(w) is None  # odd K: no pairs
@@ -309,8 +356,19 @@ def test_bf16_linear_declines_what_it_does_not_cover():
     assert cpu_native.bf16_linear(torch.randn(2, 6), packed, None, 8) is None  # float32 rows
 
 
-@needs_avx512_bf16
-@pytest.mark.parametrize("amx", [False, True])
+@needs_bf16_linear
+@pytest.mark.parametrize(
+    "amx",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not layers_onednn_bf16(), reason="oneDNN packs bf16 only on AVX-512 or AVX-NE-CONVERT CPUs"
+            ),
+        ),
+    ],
+)
 def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
     """Without AMX one native copy runs every row count; with AMX oneDNN's copy takes the rows past
     BF16_NATIVE_MAX_ROWS_WITH_AMX (or _WITHOUT_AMX_TILES). Both agree with torch's bf16 linear to one bf16
@@ -524,3 +582,7 @@ def test_argmax_rows_other_builds_agree(march, build_for, monkeypatch):
     if march == "haswell":  # llmd_f32_linear dispatches to the AVX2 kernel in that build
         w, x = torch.randn(70, 45), torch.randn(13, 45)
         torch.testing.assert_close(cpu_native.f32_linear(x, cpu_native.f32_pack(w), None, 70), x @ w.T)
+        # llmd_bf16_linear dispatches to the AVX2 kernel there too
+        wb, xb = torch.randn(70, 46).bfloat16(), torch.randn(13, 46).bfloat16()
+        out = cpu_native.bf16_linear(xb, cpu_native.bf16_pack(wb), None, 70)
+        assert torch.equal(out.view(torch.int16), vdpbf16ps_steps(xb, wb, None).view(torch.int16))

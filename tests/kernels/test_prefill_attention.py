@@ -17,7 +17,7 @@ BF16 = pytest.param(
     torch.bfloat16,
     id="bf16",
     marks=pytest.mark.skipif(
-        not cpu_native.bf16_linear_available(), reason="the native bf16 prefill attention needs AVX-512 BF16"
+        not cpu_native.avx512_bf16_available(), reason="the native bf16 prefill attention needs AVX-512 BF16"
     ),
 )
 F32 = pytest.param(

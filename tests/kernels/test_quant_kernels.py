@@ -107,7 +107,7 @@ def test_avx2_kernel_equals_the_dequantized_product(fmt, rows, n, bias):
 
 
 needs_bf16 = pytest.mark.skipif(
-    not cpu_native.bf16_linear_available(), reason="the many-row kernel needs AVX-512 BF16"
+    not cpu_native.avx512_bf16_available(), reason="the many-row kernel needs AVX-512 BF16"
 )
 
 

@@ -69,6 +69,15 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
     return True
 
 
+def packed_linear_available(dtype: torch.dtype) -> bool:
+    """Whether PackedLinear has a kernel for `dtype` here beyond F.linear: the native one (float32 on AVX2 or
+    AVX-512, bf16 on AVX-512 BF16 or AVX2) or oneDNN's packed GEMM."""
+    native = (
+        cpu_native.bf16_linear_available() if dtype == torch.bfloat16 else cpu_native.f32_linear_available()
+    )
+    return native or onednn_linear_available(dtype)
+
+
 # Packed linear layers by handle, for compiled code (PackedLinear.handle). Entries live as long as the process:
 # a model is loaded once per engine process.
 PACKED_LINEARS: list[PackedLinear] = []
@@ -102,7 +111,7 @@ BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES = 4
 
 class PackedLinear(nn.Module):
     """A loaded nn.Linear whose weight is reordered once into a GEMM's blocked layout (CPU only): the native
-    kernels' tiles where the CPU has AVX-512 or AVX2 + FMA (float32) or AVX-512 BF16 (bfloat16)
+    kernels' tiles where the CPU has AVX-512 or AVX2 + FMA (float32, and bfloat16 through vdpbf16ps or widened on AVX2)
     (kernels/cpu_native.py: 1.4-1.6x oneDNN at one row on Zen 4, where decode is bandwidth-bound, and on par at 2048
     rows; the AVX2 kernel 0.70-0.92x oneDNN's time at 1-512 rows on Zen 2; bench/RESULTS.md), else oneDNN's.
 
@@ -132,7 +141,7 @@ class PackedLinear(nn.Module):
             if (self.native is None or bf16_both) and onednn_linear_available(self.dtype)
             else None
         )
-        # neither kernel takes this dtype here (bf16 on an AVX2-only CPU): F.linear on the weight as it came
+        # neither kernel takes this dtype here (bf16 on a CPU without AVX2): F.linear on the weight as it came
         self.dense = weight.detach() if self.native is None and self.packed is None else None
         self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
         # torch.compile cannot trace an opaque packed tensor: compiled code reaches this module through the handle

@@ -14,6 +14,8 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#else
+#include "bf16_lanes.h"
 #endif
 
 enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_Q = 2, LIN_QV = 3 }; /* LinearKind in kernels/cpu_native.py */
@@ -52,6 +54,7 @@ int llmd_paged_decode_attention(const float *, int64_t, const void *, const void
 int llmd_silu_mul(const float *, float *, int64_t, int64_t, int);
 int llmd_silu_mul_bf16(const uint16_t *, uint16_t *, int64_t, int64_t, int);
 int llmd_has_avx512_bf16(void);
+int llmd_has_bf16_linear(void);
 
 /* the kernel q_linear in kernels/cpu_native.py picks for this kind and row count */
 static int linear(const llmd_linear *l, int act_bf16, const void *x, void *y, int64_t M, int64_t q_bf16_min_rows,
@@ -103,19 +106,21 @@ static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
 }
-#else
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#else /* AVX2 (the bf16 linear's widening kernel) or plain C lanes */
 static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) dst[r * cols + c] = bf16_to_f32(src[r * src_stride + c]);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) v8_store(dst + r * cols + c, v8_load_bf16(src + r * src_stride + c));
+        for (; c < cols; c++) {
+            const uint32_t u = (uint32_t)src[r * src_stride + c] << 16;
+            memcpy(dst + r * cols + c, &u, sizeof u);
+        }
+    }
 }
-static void to_bf16(const float *src, uint16_t *dst, int64_t n) { /* never reached: no bf16 linear without */
-    (void)src; (void)dst; (void)n;
+static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    const int64_t whole = n / 8 * 8;
+    f32_to_bf16_rows(src, dst, whole);
+    for (int64_t i = whole; i < n; i++) dst[i] = bf16_round(src[i]);
 }
 #endif
 
@@ -147,9 +152,7 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
     if (M < 1 || n_layers < 1 || nthreads < 1 || !shapes_fit(act_bf16, n_layers, L, E, H, Hkv, D, I)) return -1;
     for (int64_t n = 0; n < M; n++)
         if (positions[n] < 0 || positions[n] >= max_pos) return -1;
-#if !defined(__AVX512BF16__)
-    if (act_bf16) return -1;
-#endif
+    if (act_bf16 && !llmd_has_bf16_linear()) return -1;
     const size_t es = act_bf16 ? 2 : 4, qkv_row = (size_t)((H + 2 * Hkv) * D);
     char *normed = malloc(es * (size_t)(M * E)), *qkv = malloc(es * (size_t)M * qkv_row);
     char *gate_up = malloc(es * (size_t)(M * 2 * I)), *act = malloc(es * (size_t)(M * I));

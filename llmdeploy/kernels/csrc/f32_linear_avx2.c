@@ -11,6 +11,7 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include "avx2_side_walk.h"
 #include "avx2_tiles.h"
 #include "tile_groups.h"
 
@@ -109,41 +110,6 @@ static inline __attribute__((always_inline)) void row_tiles(const float *x, cons
     }
 }
 
-#define SIDE_MR 3 /* rows a block of the side-by-side walk takes against a whole tile: 12 accumulators */
-
-/* rows [0, MR) (1-SIDE_MR) against a whole tile over k-rows [k0, k1), the sums carried between chunks in acc (row i at
- * acc + i * NR): reloaded and stored around each chunk, each output still one FMA a k in order from zero. Where `ahead`
- * is given, the same k-rows of that tile are prefetched to L2 as this chunk goes. */
-static inline __attribute__((always_inline)) void rows_chunk(const float *x, int64_t xs, const float *tile, int64_t k0,
-                                                            int64_t k1, float *acc, const float *ahead, const int MR) {
-    __m256 a[SIDE_MR][4];
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] =
-        k0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + i * NR + 8 * v);
-    for (int64_t k = k0; k < k1; k++) {
-        const float *wp = tile + k * NR;
-        if (ahead) {
-            _mm_prefetch((const char *)(ahead + k * NR), _MM_HINT_T1);
-            _mm_prefetch((const char *)(ahead + k * NR + HALF), _MM_HINT_T1);
-        }
-        __m256 w[4];
-        ROWS_UNROLLED for (int v = 0; v < 4; v++) w[v] = _mm256_loadu_ps(wp + 8 * v);
-        ROWS_UNROLLED for (int i = 0; i < MR; i++) {
-            const __m256 xb = _mm256_broadcast_ss(x + i * xs + k);
-            ROWS_UNROLLED for (int v = 0; v < 4; v++) a[i][v] = _mm256_fmadd_ps(xb, w[v], a[i][v]);
-        }
-    }
-    ROWS_UNROLLED for (int i = 0; i < MR; i++) ROWS_UNROLLED for (int v = 0; v < 4; v++)
-        _mm256_store_ps(acc + i * NR + 8 * v, a[i][v]);
-}
-
-static void block_chunk(const float *x, int64_t xs, const float *tile, int64_t k0, int64_t k1, float *acc,
-                        const float *ahead, int64_t mr) {
-    if (mr == SIDE_MR) rows_chunk(x, xs, tile, k0, k1, acc, ahead, SIDE_MR);
-    else if (mr == 2) rows_chunk(x, xs, tile, k0, k1, acc, ahead, 2);
-    else rows_chunk(x, xs, tile, k0, k1, acc, ahead, 1);
-}
-
-#define SIDE_KC 16 /* k-rows (2 KB) of a tile a pass takes before the next tile's */
 /* rows [0, M) (2..LLMD_SIDE_ROWS_MAX) against G (1-3) adjacent tiles t.. side by side, SIDE_KC k-rows of each in
  * turn; each tile's first block prefetches the following tile's same k-rows (while it is below `tiles`). */
 static inline __attribute__((always_inline)) void rows_tiles(const float *x, int64_t xs, const float *packed,
@@ -157,7 +123,8 @@ static inline __attribute__((always_inline)) void rows_tiles(const float *x, int
             const float *ahead = t + g + 1 < tiles ? tile + NR * K : NULL;
             for (int64_t j = 0, m = 0, mr; m < M; m += mr, j++) {
                 mr = balanced_block_rows(M, j, SIDE_MR);
-                block_chunk(x + m * xs, xs, tile, k0, k1, acc[g][m], j == 0 ? ahead : NULL, mr);
+                block_chunk(x + m * xs + k0, xs, tile + k0 * NR, k1 - k0, k0 == 0, acc[g][m],
+                            j == 0 && ahead ? ahead + k0 * NR : NULL, mr);
             }
         }
     }

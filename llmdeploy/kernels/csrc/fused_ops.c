@@ -1,5 +1,5 @@
 /* Small fused ops of a layer (RMSNorm with the residual add, silu * up, rotary + K/V store), float32 and bf16. */
-#include "lanes.h"
+#include "bf16_lanes.h"
 
 /* ---------------------------------------------------------------- small fused ops (float32) */
 
@@ -60,41 +60,7 @@ int llmd_silu_mul(const float *x, float *out, int64_t rows, int64_t inter, int n
 /* bf16 in and out, float32 math, each rounding where torch's bf16 ops round (a bf16 op computes in float32 and
  * rounds its result to nearest even): x + residual, the normalised value, its product with the weight; the rotated
  * q and k. The engine's bf16 decode step ran these as ~10 small torch ops a layer. (A bf16 silu-and-mul was slower
- * than torch's two vectorised ops at every row count: not kept.) */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays a (quiet) NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-#if LLMD_AVX2
-/* round to nearest even in integer lanes (a scalar loop here made these kernels 3-4x slower than torch's at 32+
- * rows); NaN lanes keep their payload's top bits, made quiet */
-static inline __m128i v8_to_bf16_bits(v8 x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    return _mm256_castsi256_si128(packed);
-}
-static inline void v8_store_bf16(uint16_t *p, v8 x) { _mm_storeu_si128((__m128i *)p, v8_to_bf16_bits(x)); }
-static inline v8 v8_round_bf16(v8 x) { /* to bf16 precision, kept in float32 */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v8_to_bf16_bits(x)), 16));
-}
-#else
-static inline void v8_store_bf16(uint16_t *p, v8 x) {
-    for (int i = 0; i < 8; i++) p[i] = bf16_round(x.x[i]);
-}
-static inline v8 v8_round_bf16(v8 x) {
-    uint16_t h[8];
-    v8_store_bf16(h, x);
-    return v8_load_bf16(h);
-}
-#endif
-
+ * than torch's two vectorised ops at every row count: not kept.) Rounding: bf16_lanes.h. */
 int llmd_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out,
                            uint16_t *res_out, int64_t rows, int64_t dim, float eps, int nthreads) {
     if (dim % 8) return -1;

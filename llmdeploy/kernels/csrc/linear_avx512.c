@@ -312,11 +312,17 @@ static void bf16_rows(const uint16_t *x, int64_t xs, const uint16_t *tile, int64
 }
 #endif
 
-/* y[M, N] bf16 (contiguous) = x[M, K] bf16 (row stride x_stride) @ w[N, K]^T (+ bias[N]) with float32 sums,
- * rounded once to bf16 (as oneDNN does); w packed by llmd_bf16_pack. -2 without AVX-512 BF16. */
 int llmd_bf16_linear_amx(const uint16_t *, int64_t, const uint16_t *, const void *, void *, int64_t, int64_t, int64_t,
                          int, int); /* amx_linear.c: -1 where it does not apply */
 
+int llmd_bf16_linear_avx2(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
+                          int64_t, int);
+int llmd_has_bf16_linear_avx2(void);
+int llmd_has_bf16_linear(void) { return llmd_has_avx512_bf16() || llmd_has_bf16_linear_avx2(); }
+
+/* y[M, N] bf16 (contiguous) = x[M, K] bf16 (row stride x_stride) @ w[N, K]^T (+ bias[N]) with float32 sums,
+ * rounded once to bf16 (as oneDNN does); w packed by llmd_bf16_pack. Without AVX-512 BF16 the AVX2 kernel runs it
+ * (bf16_linear_avx2.c); -2 without either. */
 int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                      int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512BF16__)
@@ -339,8 +345,7 @@ int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed
     }
     return 0;
 #else
-    (void)x; (void)x_stride; (void)packed; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
-    return -2;
+    return llmd_bf16_linear_avx2(x, x_stride, packed, bias, y, M, N, K, nthreads);
 #endif
 }
 
