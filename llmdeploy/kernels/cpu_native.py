@@ -145,7 +145,7 @@ SIGNATURES = {
             c_float,
             c_int,
         ]
-        for name in ("bf16", "f32")
+        for name in ("bf16", "f32", "bf16_avx2")
     },
     "llmd_has_avx512_vnni": [],
     "llmd_has_qv_linear": [],
@@ -362,11 +362,15 @@ def decode_attention(
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
-# the prefill attention kernel per cache dtype, and the probe saying whether this build has its instructions:
-# bf16 (prefill_attention.c, AVX-512 BF16), float32 (prefill_attention_f32.c, AVX2 + FMA)
+# the prefill attention kernels per cache dtype, first choice first, each with the probe saying whether this build
+# has its instructions: bf16 (prefill_attention.c, AVX-512 BF16; else prefill_attention_f32.c widening it, AVX2 +
+# FMA), float32 (prefill_attention_f32.c)
 PREFILL_KERNELS = {
-    torch.bfloat16: ("llmd_paged_prefill_attention_bf16", "llmd_has_avx512_bf16"),
-    torch.float32: ("llmd_paged_prefill_attention_f32", "llmd_has_avx2"),
+    torch.bfloat16: (
+        ("llmd_paged_prefill_attention_bf16", "llmd_has_avx512_bf16"),
+        ("llmd_paged_prefill_attention_bf16_avx2", "llmd_has_avx2"),
+    ),
+    torch.float32: (("llmd_paged_prefill_attention_f32", "llmd_has_avx2"),),
 }
 
 
@@ -383,9 +387,8 @@ def prefill_attention(
     dtype, a CPU without the kernel's instructions, a head dim it does not take), so the caller keeps the torch
     path."""
     n, num_heads, head_dim = query.shape
-    kernel, probe = PREFILL_KERNELS.get(query.dtype, (None, None))
     if (
-        kernel is None
+        query.dtype not in PREFILL_KERNELS
         or query.device.type != "cpu"
         or k_cache.dtype != query.dtype
         or v_cache.dtype != query.dtype
@@ -394,29 +397,28 @@ def prefill_attention(
     ):
         return None
     lib = library()
-    if lib is None or not getattr(lib, probe)():  # not on this CPU: no allocation per sequence and layer
+    kernels = [k for k, probe in PREFILL_KERNELS[query.dtype] if lib and getattr(lib, probe)()]
+    if not kernels:  # not on this CPU: no allocation per sequence and layer
         return None
     q = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
     table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
     table = table.contiguous()
     out = torch.empty(n, num_heads, head_dim, dtype=query.dtype)
-    rc = getattr(lib, kernel)(
+    args = (
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         table.data_ptr(),
         k_cache.shape[1],
-        n,
-        context_len,
-        out.data_ptr(),
-        num_heads,
-        k_cache.shape[2],
-        head_dim,
-        scale,
-        _threads(),
     )
-    return out if rc == 0 else None
+    for kernel in kernels:  # the next where one declines the shape (AVX-512 BF16's takes head dims of 64s)
+        rc = getattr(lib, kernel)(
+            *args, n, context_len, out.data_ptr(), num_heads, k_cache.shape[2], head_dim, scale, _threads()
+        )
+        if rc == 0:
+            return out
+    return None
 
 
 def _linear_rows(x: torch.Tensor, n: int, kernel) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
-/* paged_prefill_attention for a float32 cache on CPUs with AVX2 + FMA: one sequence's chunk of queries (the chunk's
- * K/V already stored) against its whole context, read from the paged cache. Built into one library with cpu_kernels.c.
+/* paged_prefill_attention for a float32 cache on CPUs with AVX2 + FMA (and for a bf16 one, widened, where AVX-512
+ * BF16's kernel does not run): one sequence's chunk of queries (the chunk's K/V already stored) against its whole
+ * context, read from the paged cache. Built into one library with cpu_kernels.c.
  *
  * Why: float32 prefill attention ran on the torch path (kernels/reference.py causal_attention: a gathered copy of
  * the context and a dozen small ops per 64-query block, for every sequence and layer of a step). The plan is
@@ -23,6 +24,7 @@
 
 #include "avx2_exp.h"
 #include "avx2_reduce.h"
+#include "bf16_lanes.h"
 
 #define PF_KEYS 16 /* keys per K tile: two 8-lane score vectors */
 #define PF_MR 6    /* query rows per block: 6 x 2 accumulators + 2 K (or V) vectors + 1 broadcast = 15 registers */
@@ -36,18 +38,32 @@ typedef struct {
     float scale;
 } PrefillArgs;
 
+/* n cache elements (float32, or bf16 where bf16) from element i -> float32 */
+static inline void widen_elems(const void *cache, int bf16, int64_t i, int64_t n, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)cache + i, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)cache + i;
+    for (int64_t j = 0; j < n; j++) {
+        const uint32_t u = (uint32_t)h[j] << 16;
+        memcpy(dst + j, &u, sizeof u);
+    }
+}
+
 /* K tile t, dim d -> 16 keys; V columns c (dims 16c .. 16c + 15) -> one 16-float row per key */
-static void pack_head(const float *k_cache, const float *v_cache, const int32_t *table, int64_t block_size,
+static void pack_head(const void *k_cache, const void *v_cache, int bf16, const int32_t *table, int64_t block_size,
                       int64_t Hkv, int64_t h, const PrefillArgs *a, int64_t t0, int64_t t1, float *kp, float *vp) {
     const int64_t D = a->D;
+    float k[D];
     for (int64_t t = t0; t < t1; t++) {
         float *kt = kp + (t / PF_KEYS) * PF_KEYS * D + t % PF_KEYS, *vt = vp + t * PF_DV;
         if (t < a->ctx) {
             const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const float *k = k_cache + (slot * Hkv + h) * D, *v = v_cache + (slot * Hkv + h) * D;
+            widen_elems(k_cache, bf16, (slot * Hkv + h) * D, D, k);
             for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS] = k[d];
             for (int64_t c = 0; c < D / PF_DV; c++)
-                memcpy(vt + c * a->ctx_pad * PF_DV, v + c * PF_DV, sizeof(float) * PF_DV);
+                widen_elems(v_cache, bf16, (slot * Hkv + h) * D + c * PF_DV, PF_DV, vt + c * a->ctx_pad * PF_DV);
         } else {
             for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS] = 0.0f;
             for (int64_t c = 0; c < D / PF_DV; c++) memset(vt + c * a->ctx_pad * PF_DV, 0, sizeof(float) * PF_DV);
@@ -149,14 +165,11 @@ static void rows(const PrefillArgs *a, int64_t h, int64_t r0, int64_t mr, float 
 }
 #endif
 
-/* q: [n, H, D] float32 (rows q_stride floats apart, heads contiguous), the last n positions of a sequence whose
- * cache (block_table, block_size; [num_blocks, block_size, Hkv, D] float32) holds ctx tokens including these; out:
- * [n, H, D] float32, contiguous. Returns 0; -1 on shapes it does not take (D % 16, H % Hkv, n > ctx), -2 without
- * AVX2 + FMA (the caller keeps the torch path), -3 out of memory. */
-int llmd_paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                     const int32_t *block_table, int64_t block_size, int64_t n, int64_t ctx,
-                                     float *out, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
 #if defined(__AVX2__) && defined(__FMA__)
+/* the kernel over a float32 or bf16 cache (widened as it is packed); float32 queries and output */
+static int prefill(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int cache_bf16,
+                   const int32_t *block_table, int64_t block_size, int64_t n, int64_t ctx, float *out, int64_t H,
+                   int64_t Hkv, int64_t D, float scale, int nthreads) {
     if (D % PF_DV || H % Hkv || n < 1 || n > ctx || nthreads < 1 || block_size < 1) return -1;
     const int64_t ctx_pad = (ctx + PF_KEYS - 1) / PF_KEYS * PF_KEYS, per_head = ctx_pad * D;
     float *kp = (float *)aligned_alloc(64, sizeof(float) * 2 * Hkv * per_head);
@@ -172,8 +185,8 @@ int llmd_paged_prefill_attention_f32(const float *q, int64_t q_stride, const flo
         for (int64_t h = 0; h < Hkv; h++)
             for (int64_t sp = 0; sp < spans; sp++) {
                 const int64_t t0 = sp * 256, t1 = t0 + 256 < ctx_pad ? t0 + 256 : ctx_pad;
-                pack_head(k_cache, v_cache, block_table, block_size, Hkv, h, &a, t0, t1, kp + h * per_head,
-                          vp + h * per_head);
+                pack_head(k_cache, v_cache, cache_bf16, block_table, block_size, Hkv, h, &a, t0, t1,
+                          kp + h * per_head, vp + h * per_head);
             }
         float *s = (float *)malloc(sizeof(float) * PF_MR * ctx_pad);
         if (!s) {
@@ -192,6 +205,42 @@ int llmd_paged_prefill_attention_f32(const float *q, int64_t q_stride, const flo
     }
     free(kp);
     return failed ? -3 : 0;
+}
+#endif
+
+/* q: [n, H, D] float32 (rows q_stride floats apart, heads contiguous), the last n positions of a sequence whose
+ * cache (block_table, block_size; [num_blocks, block_size, Hkv, D] float32) holds ctx tokens including these; out:
+ * [n, H, D] float32, contiguous. Returns 0; -1 on shapes it does not take (D % 16, H % Hkv, n > ctx), -2 without
+ * AVX2 + FMA (the caller keeps the torch path), -3 out of memory. */
+int llmd_paged_prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                     const int32_t *block_table, int64_t block_size, int64_t n, int64_t ctx,
+                                     float *out, int64_t H, int64_t Hkv, int64_t D, float scale, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return prefill(q, q_stride, k_cache, v_cache, 0, block_table, block_size, n, ctx, out, H, Hkv, D, scale, nthreads);
+#else
+    (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_table; (void)block_size; (void)n; (void)ctx;
+    (void)out; (void)H; (void)Hkv; (void)D; (void)scale; (void)nthreads;
+    return -2;
+#endif
+}
+
+/* The same for bf16 queries, cache and output where AVX-512 BF16's kernel (prefill_attention.c) does not run: float32
+ * math on the widened values, the output rounded once to bf16. */
+int llmd_paged_prefill_attention_bf16_avx2(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                           const uint16_t *v_cache, const int32_t *block_table, int64_t block_size,
+                                           int64_t n, int64_t ctx, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,
+                                           float scale, int nthreads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (D % PF_DV || n < 1) return -1;
+    const int64_t row = H * D;
+    float *q32 = malloc(sizeof(float) * 2 * (size_t)(n * row)), *out32 = q32 + n * row;
+    if (!q32) return -3;
+    for (int64_t j = 0; j < n; j++) widen_elems(q + j * q_stride, 1, 0, row, q32 + j * row);
+    const int rc =
+        prefill(q32, row, k_cache, v_cache, 1, block_table, block_size, n, ctx, out32, H, Hkv, D, scale, nthreads);
+    if (rc == 0) f32_to_bf16_rows(out32, out, n * row);
+    free(q32);
+    return rc;
 #else
     (void)q; (void)q_stride; (void)k_cache; (void)v_cache; (void)block_table; (void)block_size; (void)n; (void)ctx;
     (void)out; (void)H; (void)Hkv; (void)D; (void)scale; (void)nthreads;
