@@ -61,7 +61,10 @@ def estimate(
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
         if device == "cpu" and cpu_bf16 is None:
-            notes.append("dtype auto on this CPU: float32 (no native bf16 matmuls: avx512_bf16 or amx_bf16)")
+            notes.append(
+                "dtype auto on this CPU: float32 (no native bf16 matmuls: avx512_bf16 or amx_bf16); model.dtype:"
+                " bfloat16 halves weights and KV, and on AVX2 CPUs its widening kernel decodes small batches faster"
+            )
         elif device == "cpu":
             notes.append(
                 f"dtype auto on this CPU ({cpu_bf16}): bfloat16 if the engine measures it {dtype_auto.describe()}"
