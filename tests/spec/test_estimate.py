@@ -96,7 +96,8 @@ def test_auto_dtype_on_cpu_counts_float32_and_says_so():
     est = estimate(DeploymentSpec(), shape(), "cpu")
     assert est.dtype == "float32" and est.weights_bytes == 4_000_000
     note = next(n for n in est.notes if "dtype auto" in n)
-    assert "float32" in note and "model.dtype: bfloat16" in note  # the choice left to the user, and what it buys
+    # the choice left to the user, and what it buys
+    assert "float32" in note and "model.dtype: bfloat16" in note
 
 
 def test_auto_dtype_on_a_bf16_cpu_states_the_engine_s_own_threshold():
