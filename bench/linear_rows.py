@@ -7,7 +7,8 @@ One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the
 separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
 float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU); both
 dtypes at one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side, and so the AVX2
-float32 kernel up to SIDE_ROWS_DEFAULT rows (its small-batch walk; SIDE_ROWS_DEFAULT's evidence).
+kernels (float32, and bf16 on CPUs without AVX-512 BF16) up to SIDE_ROWS_DEFAULT rows (their small-batch walk;
+SIDE_ROWS_DEFAULT's evidence). oneDNN's column is '-' where it cannot pack the dtype (bf16 on AVX2-only CPUs).
 Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
 decides `AMX_MIN_ROWS_DEFAULT` (kernels/cpu_native.py), the row count from which bf16 linears take them. Prints the CPU and its flags first.
 """
@@ -40,7 +41,12 @@ def weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
     return [(w, w.shape[0]) for w in ws]
 
 
-def onednn_pass(ws) -> list:
+def onednn_pass(ws):
+    """None where oneDNN cannot pack the dtype here (bf16 on an AVX2-only CPU)."""
+    from llmdeploy.engine.models.layers import onednn_linear_available
+
+    if not onednn_linear_available(ws[0][0].dtype):
+        return None
     packed = [(torch.ops.mkldnn._reorder_linear_weight(w), n, w.shape[1]) for w, n in ws]
 
     def run(rows: int) -> None:
@@ -140,7 +146,11 @@ def main() -> None:
         print(f"\n{name}: all projections of a step (30 layers + LM head), ms (GFLOP/s)")
         head = f"{'rows':>5} {'oneDNN':>16} {'native':>16} {'native/oneDNN':>14}"
         ahead = nat is not None and dtype == torch.float32
-        avx2_f32 = ahead and not cpu_native.library().llmd_has_avx512()
+        # the AVX2 kernels' small-batch walk: float32 without AVX-512, bf16 without AVX-512 BF16
+        lib = cpu_native.library()
+        avx2_side = nat is not None and not (
+            lib.llmd_has_avx512() if dtype == torch.float32 else lib.llmd_has_avx512_bf16()
+        )
         print(
             head
             + (f" {'native AMX':>16} {'AMX/oneDNN':>11}" if amx else "")
@@ -153,15 +163,15 @@ def main() -> None:
             def cell(t: float | None, r: int = r) -> str:
                 return f"{t * 1e3:8.2f} ({flops_per_row * r / t / 1e9:5.0f})" if t else f"{'-':>16}"
 
-            d = best_of(dnn, r, args.reps)
+            d = best_of(dnn, r, args.reps) if dnn else None
             n = best_of(nat, r, args.reps) if nat else None
-            line = f"{r:5d} {cell(d)} {cell(n)} " + (f"{n / d:14.2f}" if n else f"{'-':>14}")
+            line = f"{r:5d} {cell(d)} {cell(n)} " + (f"{n / d:14.2f}" if n and d else f"{'-':>14}")
             row = {"rows": r, "onednn_s": d, "native_s": n}
             if amx:
                 amx_on(1)
                 a = best_of(nat, r, args.reps)
                 amx_on(0)
-                line += f" {cell(a)} {a / d:11.2f}"
+                line += f" {cell(a)} " + (f"{a / d:11.2f}" if d else f"{'-':>11}")
                 row["native_amx_s"] = a
             if ahead and r <= cpu_native.TILE_AHEAD_ROWS_DEFAULT:
                 tile_ahead(0)
@@ -169,7 +179,7 @@ def main() -> None:
                 tile_ahead(cpu_native.env_rows(cpu_native.AHEAD_ENV, cpu_native.TILE_AHEAD_ROWS_DEFAULT))
                 line += f" {cell(a)}"
                 row["native_no_ahead_s"] = a
-            if nat is not None and (r == 1 or (avx2_f32 and r <= cpu_native.SIDE_ROWS_DEFAULT)):
+            if nat is not None and (r == 1 or (avx2_side and r <= cpu_native.SIDE_ROWS_DEFAULT)):
                 a = one_tile_at_a_time(nat, r, args.reps)
                 line += f" {cell(a):>19}"
                 row["native_one_stream_s"] = a

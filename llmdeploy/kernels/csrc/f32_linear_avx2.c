@@ -140,11 +140,12 @@ static inline __attribute__((always_inline)) void rows_tiles(const float *x, int
 /* every row of x against one packed tile (`real` of its NR channels are outputs; y and bias at its first channel);
  * also the many-row path of q_linear_avx2.c, over a tile it dequantized. From 3 rows the tile is walked once per
  * block, the first walk from memory with few misses in flight (the hardware prefetcher retrains on each new tile).
- * Where `next` (the tile this thread takes next, or NULL) is given and M <= llmd_tile_ahead_rows, walks 1-8 each
- * prefetch an eighth of it, so its first walk finds it in cache: the 30 layers' projections at 32 rows, interleaved
- * as in a decode step, 64.4 -> 47.6 ms on Zen 2. With more rows the first walk is a small part of a tile's time. */
+ * Where `next` (what this thread reads next, or NULL) is given and M <= llmd_tile_ahead_rows, walks 1..next_walks
+ * each prefetch an eighth of a float32 tile's bytes from it (8 walks: the next float32 tile; 4: a bf16 one), so its
+ * first walk finds it in cache: the 30 layers' projections at 32 rows, interleaved as in a decode step, 64.4 -> 47.6
+ * ms on Zen 2. With more rows the first walk is a small part of a tile's time. */
 void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int64_t K, const float *bias, float *y,
-                             int64_t N, int real, int64_t M, const float *next) {
+                             int64_t N, int real, int64_t M, const void *next, int next_walks) {
     if (M <= MR_FULL) {
         if (M == 1) rows_block(x, xs, tile, K, 0, bias, y, N, real, 1, 4);
         else rows_block(x, xs, tile, K, 0, bias, y, N, real, 2, 4);
@@ -154,9 +155,9 @@ void llmd_f32_tile_rows_avx2(const float *x, int64_t xs, const float *tile, int6
     int64_t walk = 0;
     for (int c0 = 0; c0 < real; c0 += HALF)
         for (int64_t j = 0, m = 0; m < M; m += half_block_rows(M, j), j++, walk++) {
-            if (next && M <= llmd_tile_ahead_rows && walk >= 1 && walk <= 8)
-                half_rows_ahead(x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, next + (walk - 1) * share * NR,
-                                half_block_rows(M, j));
+            if (next && M <= llmd_tile_ahead_rows && walk >= 1 && walk <= next_walks)
+                half_rows_ahead(x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real,
+                                (const float *)next + (walk - 1) * share * NR, half_block_rows(M, j));
             else
                 half_rows(x + m * xs, xs, tile, K, c0, bias, y + m * N, N, real, half_block_rows(M, j));
         }
@@ -198,7 +199,7 @@ int llmd_f32_linear_avx2(const float *x, int64_t x_stride, const float *packed, 
             const int real = N - t * NR < NR ? (int)(N - t * NR) : NR;
             const float *tb = bias ? bias + t * NR : NULL;
             llmd_f32_tile_rows_avx2(x + m0 * x_stride, x_stride, packed + t * NR * K, K, tb, y + m0 * N + t * NR, N,
-                                    real, mc, t + 1 < tiles ? packed + (t + 1) * NR * K : NULL);
+                                    real, mc, t + 1 < tiles ? packed + (t + 1) * NR * K : NULL, 8);
         }
     }
     return 0;

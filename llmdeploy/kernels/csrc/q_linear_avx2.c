@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void rows_block(const int fmt, cons
 }
 
 void llmd_f32_tile_rows_avx2(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int,
-                             int64_t, const float *); /* f32_linear_avx2.c */
+                             int64_t, const void *, int); /* f32_linear_avx2.c */
 
 /* a tile as float32 in llmd_f32_pack's layout (k-major, NR channels a row): wt[K * NR], each weight as dequant8 makes
  * it (Q8 d * q, exact; Q4 one FMA q * d + m), from the float layout or the VNNI one (q_linear.c: per 4 inputs, a
@@ -177,7 +177,7 @@ int llmd_q_dequantized_linear_avx2(int fmt, int vnni, const float *x, int64_t x_
         for (int64_t t = 0; t < tiles; t++) {
             dequant_tile(fmt, vnni, packed + t * tile_bytes, K, wt);
             llmd_f32_tile_rows_avx2(x, x_stride, wt, K, bias ? bias + t * NR : NULL, y + t * NR, N,
-                                    N - t * NR < NR ? (int)(N - t * NR) : NR, M, NULL);
+                                    N - t * NR < NR ? (int)(N - t * NR) : NR, M, NULL, 0);
         }
     }
     free(wts);
