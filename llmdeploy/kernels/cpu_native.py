@@ -72,8 +72,9 @@ ENV_SWITCH = "LLMDEPLOY_NATIVE_KERNELS"
 AMX_ENV = "LLMDEPLOY_AMX_MIN_ROWS"
 AMX_MIN_ROWS_DEFAULT = 4  # bench/linear_rows.py on a Xeon with AMX: tied with vdpbf16ps at 2 rows, 0.87x at 4
 AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
-# float32 linears up to this many rows prefetch the next weight tile during a tile's later walks; bench/linear_rows.py
-# times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in a decode step 64.4 -> 47.6 ms)
+# float32 linears (and the AVX2 bf16 one's widened tiles) up to this many rows prefetch the next weight tile during a
+# tile's later walks; bench/linear_rows.py times it on and off (Zen 2, AVX2: the 30 layers' projections at 32 rows in
+# a decode step 64.4 -> 47.6 ms)
 TILE_AHEAD_ROWS_DEFAULT = 64
 STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time; csrc/tile_groups.h):
@@ -81,9 +82,10 @@ STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # decode 23.1 -> 16.5 ms/token)
 ROW_STREAMS_DEFAULT = 3
 SIDE_ROWS_ENV = "LLMDEPLOY_SIDE_ROWS"
-# rows up to which the AVX2 float32 linear reads those tiles side by side too, a few rows at a time (0-16;
-# csrc/f32_linear_avx2.c rows_tiles). Zen 2, engine decode steps, this walk vs the one-tile walk in one process: batch
-# 3 28 -> 20 ms, 4 29 -> 23, 8 36 -> 29, 12 42 -> 40-43 (even), 16 slower; bench/linear_rows.py times both to 12 rows
+# rows up to which the AVX2 float32 and bf16 linears read those tiles side by side too, a few rows at a time (0-16;
+# csrc/f32_linear_avx2.c rows_tiles). Zen 2, engine decode steps, this walk vs the one-tile walk in one process:
+# batch 3 28 -> 20 ms, 4 29 -> 23, 8 36 -> 29, 12 42 -> 40-43 (even), 16 slower; bf16 at 2-8 rows 0.61-0.66x its
+# widened-tile walk's time; bench/linear_rows.py times both to 12 rows
 SIDE_ROWS_DEFAULT = 12
 BUILD_TIMEOUT_S = 120
 c_int64, c_ptr, c_float, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
