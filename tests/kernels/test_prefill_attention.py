@@ -1,6 +1,6 @@
 """The native prefill attention, bf16 (kernels/csrc/prefill_attention.c, AVX-512 BF16, else widened by
-prefill_attention_f32.c) and float32 (prefill_attention_f32.c, AVX2 + FMA), against the float64 definition and the torch path it replaces: causal chunks
-at any position of a context read in place from scattered cache blocks."""
+prefill_attention_f32.c) and float32 (prefill_attention_f32.c, AVX2 + FMA), against the float64 definition and the
+torch path it replaces: causal chunks at any position of a context read in place from scattered cache blocks."""
 
 from __future__ import annotations
 

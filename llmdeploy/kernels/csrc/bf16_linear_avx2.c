@@ -1,7 +1,7 @@
 /* The bfloat16 linear on AVX2 + FMA CPUs without AVX-512 BF16 (AMD Zen 2/3, Intel before Cooper Lake):
  * llmd_bf16_linear's contract over llmd_bf16_pack's layout, which hands its calls here on such CPUs. Without bf16
  * instructions torch emulates bf16 matmuls (SmolLM2's decode step at batch 8: 159 ms in bf16 against 27.5 in
- * float32 on Zen 2), so each weight is widened in a register: a bf16 is a float32's top half, and a packed lane
+ * float32 on Zen 2), so the weights are widened to float32 here: a bf16 is a float32's top half, and a packed lane
  * holds a channel's input pair (even input low, odd high), so the odd weight is the lane AND 0xffff0000 and the
  * even one the lane shifted left by 16.
  *
@@ -54,8 +54,8 @@ static void swapped_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K, fl
     }
 }
 
-/* `pairs` input pairs of a tile (from its pair p0) -> float32 in llmd_f32_pack's layout (k-major, NR channels a
- * row), each pair's odd weight first; where `ahead` is given, the same pairs of that tile are prefetched to L2 */
+/* `pairs` input pairs of a tile (from where `tile` points) -> float32 in llmd_f32_pack's layout (k-major, NR channels
+ * a row), each pair's odd weight first; where `ahead` is given, the same pairs of that tile are prefetched to L2 */
 static void widen_pairs(const uint16_t *tile, int64_t pairs, float *w, const uint16_t *ahead) {
     for (int64_t p = 0; p < pairs; p++) {
         if (ahead) {
