@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 13's CPU figures on whatever CPU this machine has, in one run, each benchmark after the other (never two at
+# once: they share the cores and the memory bus). The CPU model changes between sessions; start this first thing on
+# a CPU kind not measured lately (AVX-512 BF16, AMX) and read bench/RESULTS.md's last section of that kind beside it.
+# Each benchmark's output goes to $OUT/<name>.txt (default bench/out/cpu-<date>), the CPU line first.
+#
+#   bench/cpu_session.sh           # about 45 minutes on 2 cores (transformers' bf16 is slow where it is emulated)
+#   ONLY="linear_rows engine_vs_hf" bench/cpu_session.sh
+#
+# What each one decides: linear_rows the kernel thresholds in kernels/cpu_native.py (AMX_MIN_ROWS_DEFAULT,
+# TILE_AHEAD_ROWS_DEFAULT, ROW_STREAMS_DEFAULT, SIDE_ROWS_DEFAULT); engine_vs_hf the issue's targets (W, S, shares
+# of the ceilings, batch-1 against the bandwidth floor, TTFT, int8); small_batches and bf16_decode decode at 1-16
+# concurrent requests; step_overhead the per-step CPU overhead.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-bench/out/cpu-$(date +%Y%m%d-%H%M)}
+PY=${PY:-.venv/bin/python}
+ONLY=${ONLY:-linear_rows engine_vs_hf small_batches bf16_decode step_overhead}
+mkdir -p "$OUT"
+
+run() { # name, then the command
+  local name=$1
+  shift
+  case " $ONLY " in *" $name "*) ;; *) return 0 ;; esac
+  echo "== $name: $* ($(date -u +%H:%M:%S) UTC)"
+  "$@" 2>&1 | grep -v '^Loading weights' | tee "$OUT/$name.txt"
+}
+
+run linear_rows "$PY" bench/linear_rows.py --dtypes bfloat16,float32
+run engine_vs_hf "$PY" bench/engine_vs_hf.py --repeat 2 --engine-only int8 --json "$OUT/engine_vs_hf.json"
+run small_batches "$PY" bench/small_batches.py
+run bf16_decode "$PY" bench/bf16_decode.py
+run step_overhead "$PY" bench/step_overhead.py --steps 40
+echo "outputs in $OUT"
