@@ -1,6 +1,7 @@
 /* float32 -> bfloat16 rounded to nearest even, as torch and vcvtneps2bf16 round (NaN stays a quiet NaN), for the
  * kernels without AVX-512 BF16's instruction: the bf16 norm and rotary ops (fused_ops.c), the AVX2 bf16 linear
- * (bf16_linear_avx2.c) and the bf16 decode step's activations (decode_step.c). */
+ * (bf16_linear_avx2.c), the bf16 decode step's activations (decode_step.c) and the widening prefill attention
+ * (prefill_attention_f32.c); and bf16 -> float32 rows for the last two. */
 #ifndef LLMD_BF16_LANES_H
 #define LLMD_BF16_LANES_H
 #include "lanes.h"
@@ -39,8 +40,24 @@ static inline v8 v8_round_bf16(v8 x) {
 }
 #endif
 
-/* n (a multiple of 8) float32 -> bf16 */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* n float32 -> bf16 */
 static inline void f32_to_bf16_rows(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i += 8) v8_store_bf16(dst + i, v8_load(src + i));
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) v8_store_bf16(dst + i, v8_load(src + i));
+    for (; i < n; i++) dst[i] = bf16_round(src[i]);
+}
+
+/* n bf16 -> float32 (exact) */
+static inline void bf16_to_f32_rows(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) v8_store(dst + i, v8_load_bf16(src + i));
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 #endif

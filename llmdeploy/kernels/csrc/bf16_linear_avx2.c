@@ -47,10 +47,7 @@ static void swapped_rows(const uint16_t *x, int64_t xs, int64_t M, int64_t K, fl
         int64_t k = 0;
         for (; k + 8 <= K; k += 8)
             _mm256_storeu_ps(o + k, widen8(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(r + k)), swap)));
-        for (; k < K; k++) {
-            const uint32_t u = (uint32_t)r[k ^ 1] << 16;
-            memcpy(o + k, &u, sizeof u);
-        }
+        for (; k < K; k++) o[k] = bf16_to_f32(r[k ^ 1]);
     }
 }
 

@@ -108,20 +108,9 @@ static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
 }
 #else /* AVX2 (the bf16 linear's widening kernel) or plain C lanes */
 static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) v8_store(dst + r * cols + c, v8_load_bf16(src + r * src_stride + c));
-        for (; c < cols; c++) {
-            const uint32_t u = (uint32_t)src[r * src_stride + c] << 16;
-            memcpy(dst + r * cols + c, &u, sizeof u);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) bf16_to_f32_rows(src + r * src_stride, dst + r * cols, cols);
 }
-static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
-    const int64_t whole = n / 8 * 8;
-    f32_to_bf16_rows(src, dst, whole);
-    for (int64_t i = whole; i < n; i++) dst[i] = bf16_round(src[i]);
-}
+static void to_bf16(const float *src, uint16_t *dst, int64_t n) { f32_to_bf16_rows(src, dst, n); }
 #endif
 
 /* The rotary tables of reference.rotary_tables for each row's position: cos_sin rows are [cos | sin] (half width

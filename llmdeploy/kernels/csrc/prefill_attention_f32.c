@@ -44,11 +44,7 @@ static inline void widen_elems(const void *cache, int bf16, int64_t i, int64_t n
         memcpy(dst, (const float *)cache + i, sizeof(float) * (size_t)n);
         return;
     }
-    const uint16_t *h = (const uint16_t *)cache + i;
-    for (int64_t j = 0; j < n; j++) {
-        const uint32_t u = (uint32_t)h[j] << 16;
-        memcpy(dst + j, &u, sizeof u);
-    }
+    bf16_to_f32_rows((const uint16_t *)cache + i, dst, n);
 }
 
 /* K tile t, dim d -> 16 keys; V columns c (dims 16c .. 16c + 15) -> one 16-float row per key */
@@ -235,7 +231,7 @@ int llmd_paged_prefill_attention_bf16_avx2(const uint16_t *q, int64_t q_stride, 
     const int64_t row = H * D;
     float *q32 = malloc(sizeof(float) * 2 * (size_t)(n * row)), *out32 = q32 + n * row;
     if (!q32) return -3;
-    for (int64_t j = 0; j < n; j++) widen_elems(q + j * q_stride, 1, 0, row, q32 + j * row);
+    for (int64_t j = 0; j < n; j++) bf16_to_f32_rows(q + j * q_stride, q32 + j * row, row);
     const int rc =
         prefill(q32, row, k_cache, v_cache, 1, block_table, block_size, n, ctx, out32, H, Hkv, D, scale, nthreads);
     if (rc == 0) f32_to_bf16_rows(out32, out, n * row);
