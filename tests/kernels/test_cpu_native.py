@@ -55,6 +55,8 @@ CASES = [  # (lens, kv heads, group, head dim, block size)
     ([40, 41], 4, 1, 128, 16),
     ([19, 64], 2, 5, 80, 32),  # head dim 80: narrower P.V chunks
     ([3, 70], 8, 2, 96, 16),
+    ([70, 9], 2, 40, 16, 16),  # 80 heads: past KV_STREAM_HEADS, one stream a split
+    ([23, 95, 2], 3, 3, 64, 8),  # token ranges of 24, 96 and 8 tokens split three ways unevenly
 ]
 
 

@@ -1,9 +1,17 @@
 /* paged_decode_attention: one query token per sequence against its K/V read in place from the paged cache (no
- * gather): per (sequence, kv head, context split) scores -> softmax -> P.V, the kv head's query heads (GQA) sharing
- * every K/V row. Splits of one long context are merged flash-decoding style (max, sum, rescaled partial outputs). */
+ * gather): per (sequence, context split) scores -> softmax -> P.V, each kv head's query heads (GQA) sharing every
+ * K/V row, a split's tokens read as up to KV_STREAMS_MAX streams side by side. Splits of one long context are
+ * merged flash-decoding style (max, sum, rescaled partial outputs). */
 #include "lanes.h"
 
 #define MAX_GROUP 8 /* query heads of one kv head in one register block (wider groups: head_block) */
+/* token ranges of one item read side by side (K in the score pass, V in P.V), each in token order: one stream a
+ * core left memory idle (below). G * streams sums (probabilities), a row of each stream and one more vector within
+ * the 16 vector registers. bench/decode_attention.py, SmolLM2 (G 3) on Zen 2, 30 layers' caches, one stream -> three:
+ * 32 sequences of 192 tokens 561 -> 387 us a layer in float32, 408 -> 279 in bf16; 1 of 430 tokens 45 -> 37 us. */
+#define KV_STREAMS_MAX 3
+#define KV_STREAMS(G) ((G) <= 3 ? 3 : (G) <= 4 ? 2 : 1)
+#define KV_STREAM_HEADS 64 /* most heads for which the streams' partial scores go on the stack */
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 512
 #define PV_PREFETCH 4 /* tokens ahead whose V row P.V prefetches */
@@ -33,53 +41,77 @@ static inline v8 load_elems(const int bf16, const char *row, int64_t i) {
     return bf16 ? v8_load_bf16((const uint16_t *)row + i) : v8_load((const float *)row + i);
 }
 
-/* t[g * 8] = q_g . k (8 lanes, summed later) for G query heads of one kv head, k: D elements of a token's row */
-static inline __attribute__((always_inline)) void head_scores(const char *k, const float *q, int64_t D, const int G,
-                                                             const int BF16, v8 *t) {
-    v8 acc[MAX_GROUP];
-    ROWS_UNROLLED for (int g = 0; g < G; g++) acc[g] = v8_zero();
+/* t[j * ts + g * 8] = q_g . k_j (8 lanes, summed later) for G query heads of one kv head and TB K rows k_j (D
+ * elements each, one row from each of TB streams: G * TB sums in registers, each K load serving G heads and each
+ * q load TB rows) */
+static inline __attribute__((always_inline)) void head_scores(const char *const *k, int64_t off, const float *q,
+                                                             int64_t D, const int G, const int TB, const int BF16,
+                                                             v8 *t, int64_t ts) {
+    v8 acc[MAX_GROUP][KV_STREAMS_MAX];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) ROWS_UNROLLED for (int j = 0; j < TB; j++) acc[g][j] = v8_zero();
     for (int64_t d = 0; d < D; d += 8) {
-        const v8 kv = load_elems(BF16, k, d);
-        ROWS_UNROLLED for (int g = 0; g < G; g++) acc[g] = v8_fma(v8_load(q + g * D + d), kv, acc[g]);
+        v8 kv[KV_STREAMS_MAX];
+        ROWS_UNROLLED for (int j = 0; j < TB; j++) kv[j] = load_elems(BF16, k[j] + off, d);
+        ROWS_UNROLLED for (int g = 0; g < G; g++) {
+            const v8 qg = v8_load(q + g * D + d);
+            ROWS_UNROLLED for (int j = 0; j < TB; j++) acc[g][j] = v8_fma(qg, kv[j], acc[g][j]);
+        }
     }
-    ROWS_UNROLLED for (int g = 0; g < G; g++) t[g * 8] = acc[g];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) ROWS_UNROLLED for (int j = 0; j < TB; j++) t[j * ts + g * 8] =
+        acc[g][j];
 }
 
-/* acc[g * D + d] += p[g * ps] * v[d] for G query heads of one kv head, v: D elements of a token's row. The sums
- * live in memory (L1): a whole row's worth of them would not fit the registers. */
-static inline __attribute__((always_inline)) void head_pv(const char *v, const float *p, int64_t ps, int64_t D,
-                                                         const int G, const int BF16, float *acc) {
-    v8 pg[MAX_GROUP];
-    ROWS_UNROLLED for (int g = 0; g < G; g++) pg[g] = v8_set1(p[g * ps]);
+/* acc[g * D + d] += p[j][g * ps] * v_j[d] for TB V rows v_j (one from each of TB streams, added in stream order)
+ * and G query heads of one kv head. The sums live in memory (L1): a whole row's worth of them would not fit the
+ * registers; each load and store of one serves TB rows (one a row, the store port bound P.V). */
+static inline __attribute__((always_inline)) void head_pv(const char *const *v, int64_t off, const float *const *p,
+                                                         int64_t ps, int64_t D, const int G, const int TB,
+                                                         const int BF16, float *acc) {
+    v8 pg[MAX_GROUP][KV_STREAMS_MAX];
+    ROWS_UNROLLED for (int g = 0; g < G; g++) ROWS_UNROLLED for (int j = 0; j < TB; j++) pg[g][j] =
+        v8_set1(p[j][g * ps]);
     for (int64_t d = 0; d < D; d += 8) {
-        const v8 vv = load_elems(BF16, v, d);
+        v8 vv[KV_STREAMS_MAX];
+        ROWS_UNROLLED for (int j = 0; j < TB; j++) vv[j] = load_elems(BF16, v[j] + off, d);
         ROWS_UNROLLED for (int g = 0; g < G; g++) {
             float *o = acc + g * D + d;
-            v8_store(o, v8_fma(pg[g], vv, v8_load(o)));
+            v8 x = v8_load(o);
+            ROWS_UNROLLED for (int j = 0; j < TB; j++) x = v8_fma(pg[g][j], vv[j], x);
+            v8_store(o, x);
         }
     }
 }
 
-/* Scores of 8 tokens (K rows `rows`), t[hq * 8 + j] for query head hq and token j, and P.V of one token. Each row
- * is read whole, kv head after kv head, and rows in token order: a stream the hardware prefetcher follows. (Reading
- * each kv head's segment of 8 rows in turn, rows 768 bytes apart in SmolLM2, kept it from running ahead: the score
- * pass took the L3-resident time plus the DRAM time, not the larger of the two.) G: the query heads of a register
- * block (head_block); G and the cache type are constants where these are inlined (the switches below). */
-static inline __attribute__((always_inline)) void group_scores(const DecodeArgs *a, const char *const *rows,
-                                                              const float *q, const int G, const int BF16, v8 *t) {
-    const int64_t D = a->head_dim, HG = a->num_heads / a->num_kv_heads, es = BF16 ? 2 : 4;
-    for (int64_t j = 0; j < 8; j++)
+/* Scores of 8 tokens in each of TB streams (K rows rows[s][j]), t[s * H * 8 + hq * 8 + j] for stream s, query head
+ * hq and token j, and P.V of one token of each stream. Each stream's rows are read whole, kv head after kv head,
+ * in token order: streams the hardware prefetcher follows. (Reading each kv head's segment of 8 rows in turn, rows
+ * 768 bytes apart in SmolLM2, kept it from running ahead: the score pass took the L3-resident time plus the DRAM
+ * time, not the larger of the two; so did two rows of one stream interleaved, and software prefetches 8-64 rows
+ * ahead did not help.) G: the query heads of a register block (head_block); G, TB and the cache type are constants
+ * where these are inlined (the switches below, which instantiate TB up to KV_STREAMS(G) only). */
+static inline __attribute__((always_inline)) void group_scores(const DecodeArgs *a, const char *const (*rows)[8],
+                                                              const float *q, const int G, const int TB,
+                                                              const int BF16, v8 *t) {
+    const int64_t D = a->head_dim, H = a->num_heads, HG = H / a->num_kv_heads, es = BF16 ? 2 : 4;
+    for (int64_t j = 0; j < 8; j++) {
+        const char *k[KV_STREAMS_MAX];
+        ROWS_UNROLLED for (int s = 0; s < TB; s++) k[s] = rows[s][j];
         for (int64_t h = 0; h < a->num_kv_heads; h++)
             for (int64_t g0 = 0; g0 < HG; g0 += G)
-                head_scores(rows[j] + h * D * es, q + (h * HG + g0) * D, D, G, BF16, t + (h * HG + g0) * 8 + j);
+                head_scores(k, h * D * es, q + (h * HG + g0) * D, D, G, TB, BF16, t + (h * HG + g0) * 8 + j, H * 8);
+    }
 }
 
-static inline __attribute__((always_inline)) void token_pv(const DecodeArgs *a, const char *row, const float *p,
-                                                          int64_t ps, const int G, const int BF16, float *acc) {
+static inline __attribute__((always_inline)) void token_pv(const DecodeArgs *a, const char *const *rows,
+                                                          const float *const *p, int64_t ps, const int G, const int TB,
+                                                          const int BF16, float *acc) {
     const int64_t D = a->head_dim, HG = a->num_heads / a->num_kv_heads, es = BF16 ? 2 : 4;
     for (int64_t h = 0; h < a->num_kv_heads; h++)
-        for (int64_t g0 = 0; g0 < HG; g0 += G)
-            head_pv(row + h * D * es, p + (h * HG + g0) * ps, ps, D, G, BF16, acc + (h * HG + g0) * D);
+        for (int64_t g0 = 0; g0 < HG; g0 += G) {
+            const float *pj[KV_STREAMS_MAX];
+            ROWS_UNROLLED for (int j = 0; j < TB; j++) pj[j] = p[j] + (h * HG + g0) * ps;
+            head_pv(rows, h * D * es, pj, ps, D, G, TB, BF16, acc + (h * HG + g0) * D);
+        }
 }
 
 /* query heads per register block: the whole group up to MAX_GROUP, else its largest divisor that fits (12 -> 6).
@@ -103,14 +135,21 @@ static int head_block(int64_t num_heads, int64_t num_kv_heads) {
         HEAD_CASE(1) HEAD_CASE(2) HEAD_CASE(3) HEAD_CASE(4) HEAD_CASE(5) HEAD_CASE(6) HEAD_CASE(7) HEAD_CASE(8)  \
     }
 
-static void row_scores(const DecodeArgs *a, const char *const *rows, const float *q, v8 *t) {
-#define HEAD_OP(G_, BF16_) group_scores(a, rows, q, G_, BF16_, t)
+static void row_scores(const DecodeArgs *a, const char *const (*rows)[8], int streams, const float *q, v8 *t) {
+#define HEAD_OP(G_, BF16_)                                                                                     \
+    if (streams >= 3 && KV_STREAMS(G_) >= 3) group_scores(a, rows, q, G_, 3, BF16_, t);                    \
+    else if (streams >= 2 && KV_STREAMS(G_) >= 2) group_scores(a, rows, q, G_, 2, BF16_, t);               \
+    else group_scores(a, rows, q, G_, 1, BF16_, t)
     HEAD_SWITCH(a)
 #undef HEAD_OP
 }
 
-static void row_pv(const DecodeArgs *a, const char *row, const float *p, int64_t ps, float *acc) {
-#define HEAD_OP(G_, BF16_) token_pv(a, row, p, ps, G_, BF16_, acc)
+static void row_pv(const DecodeArgs *a, const char *const *rows, int streams, const float *const *p, int64_t ps,
+                   float *acc) {
+#define HEAD_OP(G_, BF16_)                                                                                     \
+    if (streams >= 3 && KV_STREAMS(G_) >= 3) token_pv(a, rows, p, ps, G_, 3, BF16_, acc);                  \
+    else if (streams >= 2 && KV_STREAMS(G_) >= 2) token_pv(a, rows, p, ps, G_, 2, BF16_, acc);             \
+    else token_pv(a, rows, p, ps, G_, 1, BF16_, acc)
     HEAD_SWITCH(a)
 #undef HEAD_OP
 }
@@ -120,8 +159,8 @@ static void token_slots(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     const int32_t *table = a->block_tables + b * a->bt_stride;
     const int64_t bs = a->block_size;
     for (int64_t t = t0; t < t1;) {
-        const int64_t block = table[t / bs], end = (t / bs + 1) * bs < t1 ? (t / bs + 1) * bs : t1;
-        for (; t < end; t++) *slots++ = block * bs + t % bs;
+        const int64_t first = t / bs * bs, end = first + bs < t1 ? first + bs : t1, shift = table[t / bs] * bs - first;
+        for (; t < end; t++) *slots++ = shift + t; /* no division a token: it showed in the profile */
     }
 }
 
@@ -140,18 +179,29 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
     v8 mv[MAX_HEADS];
     for (int64_t hq = 0; hq < H; hq++) mv[hq] = v8_set1(-FLT_MAX);
-    /* scores: 8 tokens at a time, per query head one 8-lane partial sum a token, reduced together. The lanes past
-     * the end of the last group repeat its first token: harmless for the max, and masked out of the sums below. */
-    v8 t[H * 8]; /* query head hq, token j: t[hq * 8 + j] */
-    for (int64_t i = 0; i < n; i += 8) {
-        const int64_t cnt = n - i < 8 ? n - i : 8;
-        const char *rows[8];
-        for (int64_t j = 0; j < 8; j++) rows[j] = token_row(a, a->k_cache, slots[i + (j < cnt ? j : 0)]);
-        row_scores(a, rows, q, t);
-        for (int64_t hq = 0; hq < H; hq++) {
-            const v8 sc = v8_hsum8(t + hq * 8);
-            v8_store(scores + hq * n8 + i, sc);
-            mv[hq] = v8_max(mv[hq], sc);
+    /* scores: 8 tokens at a time in each stream (a range of whole groups of 8 tokens), per query head one 8-lane
+     * partial sum a token, reduced together. The lanes past the end of the last group repeat its first token:
+     * harmless for the max, and masked out of the sums below. */
+    const int64_t groups = n8 / 8;
+    int streams = H <= KV_STREAM_HEADS ? KV_STREAMS(a->head_block) : 1;
+    if (streams > groups) streams = (int)groups;
+    const int64_t per = (groups + streams - 1) / streams; /* groups a stream */
+    v8 t[streams * H * 8]; /* stream s, query head hq, token j: t[s * H * 8 + hq * 8 + j] */
+    for (int64_t step = 0; step < per; step++) {
+        const char *rows[KV_STREAMS_MAX][8];
+        int live = 0;
+        for (int s = 0; s < streams && s * per + step < groups; s++, live++) {
+            const int64_t i = (s * per + step) * 8, cnt = n - i < 8 ? n - i : 8;
+            for (int64_t j = 0; j < 8; j++) rows[s][j] = token_row(a, a->k_cache, slots[i + (j < cnt ? j : 0)]);
+        }
+        row_scores(a, (const char *const(*)[8])rows, live, q, t);
+        for (int s = 0; s < live; s++) {
+            const int64_t i = (s * per + step) * 8;
+            for (int64_t hq = 0; hq < H; hq++) {
+                const v8 sc = v8_hsum8(t + s * H * 8 + hq * 8);
+                v8_store(scores + hq * n8 + i, sc);
+                mv[hq] = v8_max(mv[hq], sc);
+            }
         }
     }
     for (int64_t hq = 0; hq < H; hq++) {
@@ -172,15 +222,25 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
         }
         l[hq] = v8_hsum(sum);
     }
-    /* P.V, V row by row in order; a prefetch a few rows ahead keeps it a few misses deeper than the stream alone
-     * (the score pass runs best without one) */
+    /* P.V, V row by row in order in each of the streams (token ranges) side by side, one token of each at a time
+     * (the sums add the streams' tokens in turn); a prefetch a few rows ahead keeps each a few misses deeper than
+     * the stream alone */
     memset(acc, 0, sizeof(float) * H * D);
-    for (int64_t i = 0; i < n; i++) {
-        if (i + PV_PREFETCH < n) {
-            const char *ahead = token_row(a, a->v_cache, slots[i + PV_PREFETCH]);
-            for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+    const int64_t span = (n + streams - 1) / streams; /* tokens a stream */
+    for (int64_t step = 0; step < span; step++) {
+        const char *rows[KV_STREAMS_MAX];
+        const float *p[KV_STREAMS_MAX];
+        int live = 0;
+        for (int s = 0; s < streams && s * span + step < n; s++, live++) {
+            const int64_t i = s * span + step;
+            if (step + PV_PREFETCH < span && i + PV_PREFETCH < n) {
+                const char *ahead = token_row(a, a->v_cache, slots[i + PV_PREFETCH]);
+                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+            }
+            rows[s] = token_row(a, a->v_cache, slots[i]);
+            p[s] = scores + i;
         }
-        row_pv(a, token_row(a, a->v_cache, slots[i]), scores + i, n8, acc);
+        row_pv(a, rows, live, p, n8, acc);
     }
 }
 

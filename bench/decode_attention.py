@@ -1,0 +1,163 @@
+"""The native paged decode attention alone (kernels/csrc/decode_attention.c), SmolLM2's heads (9 query, 3 kv, head
+dim 64), blocks of 16 tokens laid out in random order as a batch that grew together leaves them:
+
+    python bench/decode_attention.py [--dtypes float32,bfloat16] [--cases 1x430,4x300,32x192,32x512]
+                                     [--baseline OLD.c] [--reps 7]
+
+Each case times one call a layer over 30 layers' caches (cold: a step's K/V streams from memory, as in the engine)
+and over one layer's cache reused (L3-resident), and prints microseconds a layer and the K/V read rate beside the
+machine's read bandwidth. --baseline compiles another version of the kernel file (e.g. `git show
+HEAD~1:llmdeploy/kernels/csrc/decode_attention.c > /tmp/old.c`) and times it on the same caches, alternating, so
+the ratio comes from one run; it also says whether both give the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ceilings import cpu_info, read_bandwidth_gbps  # noqa: E402
+from llmdeploy.kernels import cpu_native  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+I64, PTR = ctypes.c_int64, ctypes.c_void_p
+ARGTYPES = [
+    PTR,
+    I64,
+    PTR,
+    PTR,
+    ctypes.c_int,
+    PTR,
+    I64,
+    PTR,
+    PTR,
+    I64,
+    I64,
+    I64,
+    I64,
+    I64,
+    ctypes.c_float,
+    ctypes.c_int,
+]
+
+
+def compiled(source: Path, out_dir: Path):
+    """`source` (a decode_attention.c) built alone, as cpu_native builds the library"""
+    out = out_dir / f"{source.stem}-{abs(hash(str(source)))}.so"
+    flags = [f for f in cpu_native.FLAGS if f != "-shared"]
+    cc = cpu_native.compiler()
+    csrc = cpu_native.SOURCES[0].parent
+    subprocess.run([cc, *flags, "-shared", f"-I{csrc}", str(source), "-o", str(out)], check=True)
+    fn = ctypes.CDLL(str(out)).llmd_paged_decode_attention
+    fn.argtypes = ARGTYPES
+    return fn
+
+
+def current():
+    lib = cpu_native.library()
+    if lib is None:
+        raise SystemExit("the native CPU kernels are not available here")
+    fn = lib.llmd_paged_decode_attention
+    fn.argtypes = ARGTYPES
+    return fn
+
+
+class Case:
+    """caches, block tables and a query for `batch` sequences of `context` tokens"""
+
+    def __init__(self, dtype: torch.dtype, batch: int, context: int, layers: int) -> None:
+        self.dtype, self.batch, self.context = dtype, batch, context
+        per = -(-context // BLOCK)
+        blocks = batch * per + 1
+        shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        self.caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers)]
+        self.tables = (
+            (torch.randperm(blocks - 1)[: batch * per].view(batch, per) + 1).to(torch.int32).contiguous()
+        )
+        self.lens = torch.full((batch,), context, dtype=torch.int32)
+        self.q, self.out = torch.randn(batch, HEADS, HEAD_DIM), torch.empty(batch, HEADS, HEAD_DIM)
+
+    def run(self, fn) -> None:
+        bf16 = int(self.dtype == torch.bfloat16)
+        for k, v in self.caches:
+            rc = fn(
+                self.q.data_ptr(),
+                HEADS * HEAD_DIM,
+                k.data_ptr(),
+                v.data_ptr(),
+                bf16,
+                self.tables.data_ptr(),
+                self.tables.shape[1],
+                self.lens.data_ptr(),
+                self.out.data_ptr(),
+                self.batch,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                BLOCK,
+                HEAD_DIM**-0.5,
+                torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"decode attention returned {rc}")
+
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.context * KV_HEADS * HEAD_DIM * self.caches[0][0].element_size()
+
+
+def time_case(case: Case, fns: list, reps: int) -> tuple[list[float], bool]:
+    """min seconds a layer of each kernel (alternating), and whether all gave the same bits"""
+    outs = []
+    for fn in fns:
+        case.run(fn)
+        outs.append(case.out.clone())
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            case.run(fn)
+            best[i] = min(best[i], (time.perf_counter() - t) / len(case.caches))
+    return best, all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--cases", default="1x430,4x300,32x192,32x512", help="BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--baseline", type=Path, help="another decode_attention.c to time alongside")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    print(cpu_info().line())
+    print(f"memory read bandwidth: {read_bandwidth_gbps():.1f} GB/s; {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        fns = [compiled(args.baseline, Path(tmp)), current()] if args.baseline else [current()]
+        head = (
+            "baseline us (GB/s)    this us (GB/s)   ratio  same bits"
+            if args.baseline
+            else "us a layer (GB/s)"
+        )
+        for layers, label in ((LAYERS, "cold"), (1, "L3-resident")):
+            print(f"\n{label}: one call a layer over {layers} layer(s)' caches")
+            print(f"{'dtype':9s} {'batch':>5s} {'context':>7s}  {head}")
+            for dtype in args.dtypes.split(","):
+                for spec in args.cases.split(","):
+                    batch, context = (int(x) for x in spec.split("x"))
+                    case = Case(getattr(torch, dtype), batch, context, layers)
+                    best, same = time_case(case, fns, args.reps)
+                    cells = "  ".join(f"{1e6 * s:8.1f} ({case.kv_bytes() / s / 1e9:5.1f})" for s in best)
+                    extra = f"  {best[-1] / best[0]:5.2f}  {same}" if args.baseline else ""
+                    print(f"{dtype:9s} {batch:5d} {context:7d}  {cells}{extra}")
+    print(cpu_info().line())
+
+
+if __name__ == "__main__":
+    main()
