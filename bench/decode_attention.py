@@ -4,7 +4,8 @@ dim 64), blocks of 16 tokens laid out in random order as a batch that grew toget
     python bench/decode_attention.py [--dtypes float32,bfloat16] [--cases 1x430,4x300,32x192,32x512]
                                      [--baseline OLD.c] [--reps 7]
 
-Each case times one call a layer over 30 layers' caches (cold: a step's K/V streams from memory, as in the engine)
+Each case times one call a layer over 30 layers' caches (cold: a step's K/V streams from memory, as in the engine;
+on memory advised for huge pages, as the engine's cache)
 and over one layer's cache reused (L3-resident), and prints microseconds a layer and the K/V read rate beside the
 machine's read bandwidth. --baseline compiles another version of the kernel file (e.g. `git show
 HEAD~1:llmdeploy/kernels/csrc/decode_attention.c > /tmp/old.c`) and times it on the same caches, alternating, so
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ceilings import cpu_info, read_bandwidth_gbps  # noqa: E402
 from llmdeploy.kernels import cpu_native  # noqa: E402
+from llmdeploy.kernels.huge_pages import huge_empty  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
@@ -71,6 +74,12 @@ def current():
     return fn
 
 
+def cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """random K or V on memory advised for huge pages, as the engine's cache (model_runner: huge_zeros)"""
+    out = huge_empty(math.prod(shape), dtype).view(shape)
+    return out.copy_(torch.randn(shape))
+
+
 class Case:
     """caches, block tables and a query for `batch` sequences of `context` tokens"""
 
@@ -79,7 +88,7 @@ class Case:
         per = -(-context // BLOCK)
         blocks = batch * per + 1
         shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        self.caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers)]
+        self.caches = [(cache(shape, dtype), cache(shape, dtype)) for _ in range(layers)]
         self.tables = (
             (torch.randperm(blocks - 1)[: batch * per].view(batch, per) + 1).to(torch.int32).contiguous()
         )
