@@ -47,7 +47,7 @@ CASES = [  # (lens, kv heads, group, head dim, block size)
     ([15, 16, 17, 31, 32, 33], 2, 4, 64, 16),
     ([200] * 8, 3, 3, 64, 16),
     ([1000], 3, 3, 64, 16),  # one long sequence: split across the threads
-    ([1, 600], 1, 8, 32, 32),  # splits, and empty splits for the short one
+    ([1, 600, 2], 1, 8, 32, 32),  # splits, and empty splits for the short ones
     ([5, 300, 7], 2, 12, 32, 16),  # a group wider than one register block (8 heads): blocks of 6
     ([33, 9], 1, 9, 32, 16),  # 9 heads on one kv head: blocks of 3
     ([70, 3], 2, 10, 64, 16),  # blocks of 5

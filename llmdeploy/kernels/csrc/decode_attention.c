@@ -244,17 +244,19 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     }
 }
 
-/* splits per sequence: only when sequences alone would leave threads idle, >= 64 tokens each; a lone sequence's
- * splits a multiple of the threads (3 splits on 2 threads would leave one thread two). At batch 1 behind a
- * weight stream the K/V rows come from memory, and one thread alone reads them at a third of the bandwidth:
- * SmolLM2 int8 at context 250, 1.5 -> 1.1 ms of attention a step (Zen 4, 2 threads). */
+/* splits per sequence: only when sequences alone would leave threads idle or unevenly loaded, the fewest that
+ * make the items a multiple of the threads (1 sequence on 2 threads: 2; 3: 6 items), >= 64 tokens each. At batch 1
+ * behind a weight stream the K/V rows come from memory, and one thread alone reads them at a third of the
+ * bandwidth (SmolLM2 int8 at context 250, 1.5 -> 1.1 ms of attention a step, Zen 4, 2 threads); each split reads
+ * its tokens as streams side by side, so more splits than that (4 a thread before) only add their merge: Zen 2,
+ * bench/decode_attention.py, float32, 1 x 430 tokens 33.1 -> 29.7 us a layer, 2 x 430 71.3 -> 59.7, 3 x 600 131.7 ->
+ * 124.3 (bf16 0.78-0.91x). */
 static int64_t choose_splits(int64_t items, int64_t max_len, int nthreads) {
     if (items >= 2 * nthreads) return 1;
-    int64_t want = (4 * nthreads + items - 1) / items;
-    int64_t by_len = max_len / 64;
-    int64_t s = want < by_len ? want : by_len;
-    if (items == 1 && s > nthreads) s = s / nthreads * nthreads;
-    return s < 1 ? 1 : s;
+    int64_t s = 1;
+    while ((items * s) % nthreads || items * s < nthreads) s++;
+    const int64_t by_len = max_len / 64;
+    return s < by_len ? s : by_len < 1 ? 1 : by_len;
 }
 
 /* out: [B, H, D] float32, contiguous. Returns 0, or -1 on unsupported shapes (the caller falls back). */
