@@ -7,8 +7,9 @@
 #define MAX_GROUP 8 /* query heads of one kv head in one register block (wider groups: head_block) */
 /* token ranges of one item read side by side (K in the score pass, V in P.V), each in token order: one stream a
  * core left memory idle (below). G * streams sums (probabilities), a row of each stream and one more vector within
- * the 16 vector registers. bench/decode_attention.py, SmolLM2 (G 3) on Zen 2, 30 layers' caches, one stream -> three:
- * 32 sequences of 192 tokens 561 -> 387 us a layer in float32, 408 -> 279 in bf16; 1 of 430 tokens 45 -> 37 us. */
+ * the 16 vector registers. bench/decode_attention.py, SmolLM2 (G 3) on Zen 2, 30 layers' caches, one stream (and
+ * the splits and prefetch it needed) -> three: 32 sequences of 192 tokens 496 -> 321 us a layer in float32, 383 ->
+ * 256 in bf16; 1 of 430 tokens 44.6 -> 33.2 us (bench/RESULTS.md). */
 #define KV_STREAMS_MAX 3
 #define KV_STREAMS(G) ((G) <= 3 ? 3 : (G) <= 4 ? 2 : 1)
 #define KV_STREAM_HEADS 64 /* most heads for which the streams' partial scores go on the stack */
