@@ -32,36 +32,15 @@ from llmdeploy.kernels import cpu_native  # noqa: E402
 from llmdeploy.kernels.huge_pages import huge_empty  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-I64, PTR = ctypes.c_int64, ctypes.c_void_p
-ARGTYPES = [
-    PTR,
-    I64,
-    PTR,
-    PTR,
-    ctypes.c_int,
-    PTR,
-    I64,
-    PTR,
-    PTR,
-    I64,
-    I64,
-    I64,
-    I64,
-    I64,
-    ctypes.c_float,
-    ctypes.c_int,
-]
 
 
 def compiled(source: Path, out_dir: Path):
     """`source` (a decode_attention.c) built alone, as cpu_native builds the library"""
-    out = out_dir / f"{source.stem}-{abs(hash(str(source)))}.so"
-    flags = [f for f in cpu_native.FLAGS if f != "-shared"]
-    cc = cpu_native.compiler()
-    csrc = cpu_native.SOURCES[0].parent
-    subprocess.run([cc, *flags, "-shared", f"-I{csrc}", str(source), "-o", str(out)], check=True)
+    out = out_dir / f"{source.stem}.so"
+    cc, csrc = cpu_native.compiler(), cpu_native.SOURCES[0].parent
+    subprocess.run([cc, *cpu_native.FLAGS, f"-I{csrc}", str(source), "-o", str(out)], check=True)
     fn = ctypes.CDLL(str(out)).llmd_paged_decode_attention
-    fn.argtypes = ARGTYPES
+    fn.argtypes, fn.restype = cpu_native.SIGNATURES["llmd_paged_decode_attention"], ctypes.c_int
     return fn
 
 
@@ -69,9 +48,7 @@ def current():
     lib = cpu_native.library()
     if lib is None:
         raise SystemExit("the native CPU kernels are not available here")
-    fn = lib.llmd_paged_decode_attention
-    fn.argtypes = ARGTYPES
-    return fn
+    return lib.llmd_paged_decode_attention
 
 
 def cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -135,22 +135,27 @@ static int head_block(int64_t num_heads, int64_t num_kv_heads) {
         HEAD_CASE(1) HEAD_CASE(2) HEAD_CASE(3) HEAD_CASE(4) HEAD_CASE(5) HEAD_CASE(6) HEAD_CASE(7) HEAD_CASE(8)  \
     }
 
+/* OP(G_, BF16_, TB) with TB the constant min(streams, KV_STREAMS(G_)): only the stream counts a head block can
+ * take are instantiated */
+#define STREAMS_OP(G_, BF16_, OP)                                                                              \
+    if (streams >= 3 && KV_STREAMS(G_) >= 3) OP(G_, BF16_, 3);                                                 \
+    else if (streams >= 2 && KV_STREAMS(G_) >= 2) OP(G_, BF16_, 2);                                            \
+    else OP(G_, BF16_, 1)
+
 static void row_scores(const DecodeArgs *a, const char *const (*rows)[8], int streams, const float *q, v8 *t) {
-#define HEAD_OP(G_, BF16_)                                                                                     \
-    if (streams >= 3 && KV_STREAMS(G_) >= 3) group_scores(a, rows, q, G_, 3, BF16_, t);                    \
-    else if (streams >= 2 && KV_STREAMS(G_) >= 2) group_scores(a, rows, q, G_, 2, BF16_, t);               \
-    else group_scores(a, rows, q, G_, 1, BF16_, t)
+#define SCORES(G_, BF16_, TB) group_scores(a, rows, q, G_, TB, BF16_, t)
+#define HEAD_OP(G_, BF16_) STREAMS_OP(G_, BF16_, SCORES)
     HEAD_SWITCH(a)
+#undef SCORES
 #undef HEAD_OP
 }
 
 static void row_pv(const DecodeArgs *a, const char *const *rows, int streams, const float *const *p, int64_t ps,
                    float *acc) {
-#define HEAD_OP(G_, BF16_)                                                                                     \
-    if (streams >= 3 && KV_STREAMS(G_) >= 3) token_pv(a, rows, p, ps, G_, 3, BF16_, acc);                  \
-    else if (streams >= 2 && KV_STREAMS(G_) >= 2) token_pv(a, rows, p, ps, G_, 2, BF16_, acc);             \
-    else token_pv(a, rows, p, ps, G_, 1, BF16_, acc)
+#define PV(G_, BF16_, TB) token_pv(a, rows, p, ps, G_, TB, BF16_, acc)
+#define HEAD_OP(G_, BF16_) STREAMS_OP(G_, BF16_, PV)
     HEAD_SWITCH(a)
+#undef PV
 #undef HEAD_OP
 }
 
