@@ -47,4 +47,5 @@ def test_script_prints_each_case(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("float32")]
-    assert len(rows) == 4 and "cold" in proc.stdout and "L3-resident" in proc.stdout
+    assert len(rows) == 6  # two cases in three modes
+    assert "behind a weight stream" in proc.stdout and "cold" in proc.stdout and "L3-resident" in proc.stdout
