@@ -79,7 +79,7 @@ TILE_AHEAD_ROWS_DEFAULT = 64
 STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time; csrc/tile_groups.h):
 # bench/linear_rows.py times 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1
-# decode 23.1 -> 16.5 ms/token)
+# decode 23.1 -> 16.5 ms/token; Zen 4: even, bf16 0.91-1.03x, float32 0.99-1.0x)
 ROW_STREAMS_DEFAULT = 3
 SIDE_ROWS_ENV = "LLMDEPLOY_SIDE_ROWS"
 # rows up to which the AVX2 float32 and bf16 linears read those tiles side by side too, a few rows at a time (0-16;

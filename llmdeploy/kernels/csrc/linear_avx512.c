@@ -95,8 +95,9 @@ static void f32_rows_ahead(const float *x, int64_t xs, const float *tile, int64_
 }
 
 /* one row against G (1-3) adjacent tiles in lockstep: G weight streams a core, as f32_linear_avx2.c's row_tiles
- * (measured there, on Zen 2: 26 -> 37-40 GB/s; not yet timed on an AVX-512 CPU: LLMDEPLOY_ROW_STREAMS=1 restores the
- * one-tile walk, and bench/linear_rows.py times both). Each output sums over k in order: f32_block's bits. */
+ * (measured there, on Zen 2: 26 -> 37-40 GB/s; on Zen 4 even with the one-tile walk, which already reads at the
+ * memory's rate there: LLMDEPLOY_ROW_STREAMS=1 restores it, and bench/linear_rows.py times both). Each output sums
+ * over k in order: f32_block's bits. */
 static inline __attribute__((always_inline)) void f32_row_tiles(const float *x, const float *packed, int64_t K,
                                                                int64_t N, int64_t t, const float *bias, float *y,
                                                                const int G) {
@@ -269,8 +270,8 @@ static inline __attribute__((always_inline)) void bf16_block(const uint16_t *x, 
     }
 }
 
-/* one row against G (1-3) adjacent tiles side by side: G weight streams a core, as f32_row_tiles (untimed on an
- * AVX-512 BF16 CPU; LLMDEPLOY_ROW_STREAMS=1 restores the one-tile walk). Each output adds its pairs in order, one
+/* one row against G (1-3) adjacent tiles side by side: G weight streams a core, as f32_row_tiles (Zen 4: 0.91-1.03x
+ * the one-tile walk's time; LLMDEPLOY_ROW_STREAMS=1 restores it). Each output adds its pairs in order, one
  * vdpbf16ps a pair, and rounds once: bf16_block's bits. */
 static inline __attribute__((always_inline)) void bf16_row_tiles(const uint16_t *x, const uint16_t *packed, int64_t K,
                                                                 int64_t N, int64_t t, const uint16_t *bias,
