@@ -8,9 +8,10 @@ Each case times one call a layer over 30 layers' caches behind a weight stream (
 weights, 9 MB, read before each call, untimed: the engine's situation, K/V and the kernel's own data evicted from
 every cache level), over the same caches back to back (cold: K/V from memory where 30 layers' caches exceed the
 last-level cache; on memory advised for huge pages, as the engine's cache) and over one layer's cache reused
-(L3-resident), and prints microseconds a layer and the K/V read rate beside the machine's read bandwidth. --baseline compiles another version of the kernel file (e.g. `git show
-HEAD~1:llmdeploy/kernels/csrc/decode_attention.c > /tmp/old.c`) and times it on the same caches, alternating, so
-the ratio comes from one run; it also says whether both give the same bits.
+(L3-resident), and prints microseconds a layer and the K/V read rate beside the machine's read bandwidth.
+--baseline compiles another version of the kernel file (e.g. `git show HEAD~1:llmdeploy/kernels/csrc/
+decode_attention.c > /tmp/old.c`) and times it on the same caches, alternating, so the ratio comes from one run; it
+also says whether both give the same bits.
 """
 
 from __future__ import annotations
