@@ -6,7 +6,7 @@ oneDNN (AMX where the CPU has it), at each row count, as the decode and prefill 
 One timing = the 4 projections (qkv, o, gate_up, down) of all 30 layers plus the LM head at `rows` rows, on 30
 separate weights per shape, so weights stream from memory as they do in a step. Min of --reps after a warm-up.
 float32 up to 64 rows: also timed with the next-tile prefetch off (TILE_AHEAD_ROWS_DEFAULT's evidence on each CPU); both
-dtypes at one row reading one weight tile at a time instead of ROW_STREAMS_DEFAULT side by side, and so the AVX2
+dtypes at one row reading one weight tile at a time instead of row_streams() side by side, and so the AVX2
 kernels (float32, and bf16 on CPUs without AVX-512 BF16) up to SIDE_ROWS_DEFAULT rows (their small-batch walk;
 SIDE_ROWS_DEFAULT's evidence). oneDNN's column is '-' where it cannot pack the dtype (bf16 on AVX2-only CPUs).
 Where the CPU has AMX, the native kernel is also timed on its AMX tiles (kernels/csrc/amx_linear.c); the table
@@ -108,7 +108,7 @@ def one_tile_at_a_time(nat, rows: int, reps: int) -> float:
     try:
         return best_of(nat, rows, reps)
     finally:
-        row_streams(cpu_native.env_rows(cpu_native.STREAMS_ENV, cpu_native.ROW_STREAMS_DEFAULT))
+        row_streams(cpu_native.row_streams(cpu_native.library()))
         side_rows(cpu_native.env_rows(cpu_native.SIDE_ROWS_ENV, cpu_native.SIDE_ROWS_DEFAULT))
 
 

@@ -78,9 +78,12 @@ AHEAD_ENV = "LLMDEPLOY_TILE_AHEAD_ROWS"
 TILE_AHEAD_ROWS_DEFAULT = 64
 STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # weight tiles a float32 or bf16 linear reads side by side for one row (1-3; 1: a tile at a time; csrc/tile_groups.h):
-# bench/linear_rows.py times 3 and 1 at one row (Zen 2, AVX2: a step's 538 MB of weights 23.3 -> 17.0 ms; batch-1
-# decode 23.1 -> 16.5 ms/token; Zen 4: even, bf16 0.91-1.03x, float32 0.99-1.0x)
+# bench/linear_rows.py times them against one at one row. The AVX2 kernels take 3 (Zen 2: a step's 538 MB of weights
+# 23.3 -> 17.0 ms with 3, 2 tiles 16.5-16.7 against 3 tiles' 14.2-15.2 in a harness; batch-1 decode 23.1 -> 16.5
+# ms/token); the AVX-512 ones 2 (Zen 4, bf16 batch-1 engine steps alternating in one process, five runs: 2 streams
+# 5-10% faster than 3, float32 even; the kernel alone even): row_streams() picks.
 ROW_STREAMS_DEFAULT = 3
+ROW_STREAMS_AVX512 = 2
 SIDE_ROWS_ENV = "LLMDEPLOY_SIDE_ROWS"
 # rows up to which the AVX2 float32 and bf16 linears read those tiles side by side too, a few rows at a time (0-16;
 # csrc/f32_linear_avx2.c rows_tiles). Zen 2, engine decode steps, this walk vs the one-tile walk in one process:
@@ -268,7 +271,7 @@ def library() -> ctypes.CDLL | None:
         return None
     amx = lib.llmd_amx_configure(amx_min_rows())
     lib.llmd_tile_ahead_configure(env_rows(AHEAD_ENV, TILE_AHEAD_ROWS_DEFAULT))
-    lib.llmd_row_streams_configure(env_rows(STREAMS_ENV, ROW_STREAMS_DEFAULT))
+    lib.llmd_row_streams_configure(row_streams(lib))
     lib.llmd_side_rows_configure(env_rows(SIDE_ROWS_ENV, SIDE_ROWS_DEFAULT))
     log.info(
         "native CPU kernels loaded (%s%s)",
@@ -298,6 +301,11 @@ def amx_linear_rows() -> int:
     """The row count from which bf16 linears run on AMX here, 0 where they never do (no AMX, or switched off)."""
     lib = library()
     return 0 if lib is None else lib.llmd_amx_configure(amx_min_rows())
+
+
+def row_streams(lib) -> int:
+    """Tiles a one-row linear reads side by side: LLMDEPLOY_ROW_STREAMS, else what the kernels this CPU runs took."""
+    return env_rows(STREAMS_ENV, ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else ROW_STREAMS_DEFAULT)
 
 
 def available() -> bool:

@@ -145,6 +145,20 @@ def test_f32_linear_matches_torch(kernel, rows, n, bias):
     torch.testing.assert_close(out3, torch.nn.functional.linear(x3, w, b), atol=1e-4, rtol=1e-5)
 
 
+@needs_f32_linear
+def test_row_streams_follow_the_kernels_unless_set(monkeypatch):
+    """One row's side-by-side tiles: 2 where the AVX-512 kernels run, 3 for the AVX2 ones (each measured best on its
+    CPU kind), LLMDEPLOY_ROW_STREAMS first."""
+    lib = cpu_native.library()
+    monkeypatch.delenv(cpu_native.STREAMS_ENV, raising=False)
+    expected = cpu_native.ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else cpu_native.ROW_STREAMS_DEFAULT
+    assert cpu_native.row_streams(lib) == expected
+    monkeypatch.setenv(cpu_native.STREAMS_ENV, "1")
+    assert cpu_native.row_streams(lib) == 1
+    monkeypatch.setenv(cpu_native.STREAMS_ENV, "many")
+    assert cpu_native.row_streams(lib) == expected  # a bad value keeps the default (and is logged)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 4, 32 * 9 + 3])  # 7, 4 and 10 tiles: groups of 3, 2 and 1
 @pytest.mark.parametrize("threads", [1, 2])
@@ -159,7 +173,7 @@ def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, str
     w, x, b = torch.randn(n, k, generator=g), torch.randn(2, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
         one = linear(x[:1], packed, b, n)
     assert torch.equal(one, linear(x, packed, b, n)[:1])
     ref = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
@@ -181,7 +195,7 @@ def test_avx2_small_batch_side_by_side_is_the_bits_of_the_tile_walk(rows, n, thr
     w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
         side = linear(x, packed, b, n)
         with configured(lib.llmd_side_rows_configure, 0, cpu_native.SIDE_ROWS_DEFAULT):
             walk = linear(x, packed, b, n)
@@ -302,7 +316,7 @@ def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, m
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, k, generator=g).bfloat16()
     b, packed = torch.randn(n, generator=g).bfloat16(), cpu_native.bf16_pack(w)
     monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT):
+    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
         one = cpu_native.bf16_linear(x[:1], packed, b, n)
     assert torch.equal(one, cpu_native.bf16_linear(x, packed, b, n)[:1])
     exact = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
@@ -342,7 +356,7 @@ def test_avx2_bf16_linear_takes_vdpbf16ps_steps(rows, streams, side_rows, bias):
         w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
         b = torch.randn(n, generator=g).bfloat16() if bias else None
         with (
-            configured(lib.llmd_row_streams_configure, streams, cpu_native.ROW_STREAMS_DEFAULT),
+            configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)),
             configured(lib.llmd_side_rows_configure, side_rows, cpu_native.SIDE_ROWS_DEFAULT),
         ):
             out = cpu_native._packed_linear("llmd_bf16_linear_avx2", x, cpu_native.bf16_pack(w), b, n)

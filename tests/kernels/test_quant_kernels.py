@@ -229,7 +229,7 @@ def test_int8_products_give_a_row_the_same_bits_in_any_batch(fmt):
             for rows in (1, 2, 3, 5, most):
                 assert torch.equal(cpu_native.q_linear(x[:rows], packed, None), alone[:rows])
         finally:
-            lib.llmd_row_streams_configure(cpu_native.ROW_STREAMS_DEFAULT)
+            lib.llmd_row_streams_configure(cpu_native.row_streams(lib))
 
 
 @pytest.mark.parametrize("vnni", [False, pytest.param(True, marks=needs_vnni)])
