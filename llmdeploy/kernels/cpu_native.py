@@ -82,7 +82,7 @@ STREAMS_ENV = "LLMDEPLOY_ROW_STREAMS"
 # 23.3 -> 17.0 ms with 3, 2 tiles 16.5-16.7 against 3 tiles' 14.2-15.2 in a harness; batch-1 decode 23.1 -> 16.5
 # ms/token); the AVX-512 ones 2 (Zen 4, bf16 batch-1 engine steps alternating in one process, five runs: 2 streams
 # 5-10% faster than 3, float32 even; the kernel alone even): row_streams() picks.
-ROW_STREAMS_DEFAULT = 3
+ROW_STREAMS_AVX2 = 3
 ROW_STREAMS_AVX512 = 2
 SIDE_ROWS_ENV = "LLMDEPLOY_SIDE_ROWS"
 # rows up to which the AVX2 float32 and bf16 linears read those tiles side by side too, a few rows at a time (0-16;
@@ -305,7 +305,7 @@ def amx_linear_rows() -> int:
 
 def row_streams(lib) -> int:
     """Tiles a one-row linear reads side by side: LLMDEPLOY_ROW_STREAMS, else what the kernels this CPU runs took."""
-    return env_rows(STREAMS_ENV, ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else ROW_STREAMS_DEFAULT)
+    return env_rows(STREAMS_ENV, ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else ROW_STREAMS_AVX2)
 
 
 def available() -> bool:

@@ -151,7 +151,7 @@ def test_row_streams_follow_the_kernels_unless_set(monkeypatch):
     CPU kind), LLMDEPLOY_ROW_STREAMS first."""
     lib = cpu_native.library()
     monkeypatch.delenv(cpu_native.STREAMS_ENV, raising=False)
-    expected = cpu_native.ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else cpu_native.ROW_STREAMS_DEFAULT
+    expected = cpu_native.ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else cpu_native.ROW_STREAMS_AVX2
     assert cpu_native.row_streams(lib) == expected
     monkeypatch.setenv(cpu_native.STREAMS_ENV, "1")
     assert cpu_native.row_streams(lib) == 1
