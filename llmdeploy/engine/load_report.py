@@ -47,6 +47,8 @@ def load_report(engine: LLMEngine, ready: bool) -> dict[str, Any]:
     stats = engine.stats()
     ladder = ttft_ladder(queue, cost, max_model_len)
     typical = cost.step_s(256.0) / 256.0
+    # 0 where a prefill-heavy stretch pinned both of the fit's decode terms at zero
+    decode_s = cost.decode_step_s(queue.decoding)
     return {
         "waiting": stats.waiting,
         "running": stats.running,
@@ -56,7 +58,7 @@ def load_report(engine: LLMEngine, ready: bool) -> dict[str, Any]:
         "block_size": bm.block_size,
         "pending_prefill_tokens": sch.pending_prefill_tokens(),
         "prefill_tokens_per_s": round(1.0 / typical, 1) if typical > 0 else 0.0,
-        "decode_tokens_per_s": round(max(1, queue.decoding) / cost.decode_step_s(queue.decoding), 1),
+        "decode_tokens_per_s": round(max(1, queue.decoding) / decode_s, 1) if decode_s > 0 else 0.0,
         # before this prompt's own step starts: the 1-token prediction less an idle engine's step
         "predicted_queue_wait_ms": round(
             max(0.0, ladder[0][1] - cost.conservative(cost.step_s(1.0)) * 1e3), 1

@@ -135,3 +135,16 @@ def test_load_reports_per_class_predictions_deadlines_and_slack(engine):
     deadlines = load["deadline_ms_by_prompt_len"]
     assert [n for n, _ in deadlines] == [n for n, _ in load["ttft_ms_by_prompt_len"]]
     assert all(a[1] <= b[1] for a, b in zip(deadlines, deadlines[1:], strict=False))
+
+
+def test_load_answers_when_the_fit_prices_decodes_at_zero(engine, monkeypatch):
+    """A prefill-heavy stretch can pin the fit's fixed and per-sequence terms at zero (non-negative least squares);
+    /load must still answer (it once raised ZeroDivisionError there, a 500 on every poll, and the router then held
+    requests as if the engine were gone). Rates it cannot price are reported as 0, as prefill's already were."""
+    from llmdeploy.policies.step_cost import StepCost
+
+    free_decodes = StepCost(0.0, 1e-4, 0.0, 0.0, engine.cost.current().attn_cost_context)
+    monkeypatch.setattr(engine.cost, "current", lambda: free_decodes)
+    load = engine.load()
+    assert load["decode_tokens_per_s"] == 0.0
+    assert load["prefill_tokens_per_s"] > 0
