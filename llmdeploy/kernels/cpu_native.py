@@ -170,6 +170,9 @@ SIGNATURES = {
     # positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale, q_bf16_min_rows, nthreads
     "llmd_decode_layers": [c_int, c_int64, *[c_ptr] * 4, *[c_int64] * 6, c_float, c_ptr, c_ptr, c_int64]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
+    # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, logits, then as llmd_decode_layers from M
+    "llmd_decode_logits": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, *[c_int64] * 6, c_float]
+    + [c_ptr, c_ptr, c_int64, c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,

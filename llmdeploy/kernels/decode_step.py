@@ -94,9 +94,18 @@ def _linear(lin: NativeLinear) -> _Linear:
 
 
 class DecodeLayers:
-    """One model's layers as the kernel's structs; the tensors are held so the pointers stay valid."""
+    """One model's layers as the kernel's structs; the tensors are held so the pointers stay valid. With the
+    model's embedding table and a native LM head, `logits` runs a whole decode step from token ids."""
 
-    def __init__(self, layers: list[NativeLayer], dims: Dims, dtype: torch.dtype, final_norm: torch.Tensor):
+    def __init__(
+        self,
+        layers: list[NativeLayer],
+        dims: Dims,
+        dtype: torch.dtype,
+        final_norm: torch.Tensor,
+        embed: torch.Tensor | None = None,
+        head: NativeLinear | None = None,
+    ):
         self.layers, self.dims, self.dtype, self.final_norm = layers, dims, dtype, final_norm
         self.structs = (_Layer * len(layers))(
             *(
@@ -114,29 +123,25 @@ class DecodeLayers:
             )
         )
         self.block_size = layers[0].k_cache.shape[1]
+        whole = embed is not None and head is not None and embed.dtype == dtype and embed.is_contiguous()
+        self.embed, self.head = (embed, head) if whole else (None, None)
+        self.head_struct = _linear(head) if whole else None
 
-    def run(
+    def _step_args(
         self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
+        m: int,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-    ) -> bool:
-        """Every layer, then the final norm: hidden [M, E] becomes the model's output (residual is scratch).
-        positions [M] index the model's rotary cache cos_sin [max_pos, head_dim] (float32). False (nothing
-        changed) where the kernel does not take these buffers."""
-        d, m = self.dims, hidden.shape[0]
+    ) -> tuple | None:
+        """The kernel's arguments from M on, or None where it does not take these buffers."""
+        d = self.dims
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         if not (
-            hidden.dtype == residual.dtype == self.dtype
-            and hidden.is_contiguous()
-            and residual.is_contiguous()
-            and hidden.shape == residual.shape == (m, d.hidden)
-            and positions.dtype == slot_mapping.dtype == torch.int64
+            positions.dtype == slot_mapping.dtype == torch.int64
             and positions.is_contiguous()
             and positions.numel() == m
             and cos_sin.dtype == torch.float32
@@ -146,15 +151,8 @@ class DecodeLayers:
             and slot_mapping.is_contiguous()
             and slot_mapping.numel() == tables.shape[0] == lens.numel() == m
         ):
-            return False
-        lib = cpu_native.library()
-        rc = lib.llmd_decode_layers(
-            int(self.dtype == torch.bfloat16),
-            len(self.layers),
-            ctypes.addressof(self.structs),
-            self.final_norm.data_ptr(),
-            hidden.data_ptr(),
-            residual.data_ptr(),
+            return None
+        return (
             m,
             d.hidden,
             d.heads,
@@ -173,9 +171,79 @@ class DecodeLayers:
             d.scale,
             cpu_native.Q_BF16_MIN_ROWS,
             max(1, torch.get_num_threads()),
+            (tables, lens),  # held until the call returns; dropped by the callers
         )
-        if rc in (-1, -3):  # shapes it does not take, or out of memory: nothing written
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> bool:
+        """Every layer, then the final norm: hidden [M, E] becomes the model's output (residual is scratch).
+        positions [M] index the model's rotary cache cos_sin [max_pos, head_dim] (float32). False (nothing
+        changed) where the kernel does not take these buffers."""
+        m = hidden.shape[0]
+        args = self._step_args(m, positions, cos_sin, slot_mapping, block_tables, context_lens)
+        if args is None or not (
+            hidden.dtype == residual.dtype == self.dtype
+            and hidden.is_contiguous()
+            and residual.is_contiguous()
+            and hidden.shape == residual.shape == (m, self.dims.hidden)
+        ):
             return False
-        if rc != 0:
-            raise RuntimeError(f"native decode step failed (code {rc})")
-        return True
+        rc = cpu_native.library().llmd_decode_layers(
+            int(self.dtype == torch.bfloat16),
+            len(self.layers),
+            ctypes.addressof(self.structs),
+            self.final_norm.data_ptr(),
+            hidden.data_ptr(),
+            residual.data_ptr(),
+            *args[:-1],
+        )
+        return _ran(rc)
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The embedding of input_ids [M], every layer, the final norm and the LM head: float32 logits [M, vocab],
+        the values of the Python path's `lm_head(hidden).float()`. None (nothing changed) where this model has no
+        native head or the kernel does not take these buffers."""
+        m = input_ids.numel()
+        if self.head is None or input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
+            return None
+        args = self._step_args(m, positions, cos_sin, slot_mapping, block_tables, context_lens)
+        if args is None:
+            return None
+        out = torch.empty(m, self.head.out_features, dtype=torch.float32)
+        rc = cpu_native.library().llmd_decode_logits(
+            int(self.dtype == torch.bfloat16),
+            len(self.layers),
+            ctypes.addressof(self.structs),
+            self.final_norm.data_ptr(),
+            self.embed.data_ptr(),
+            self.embed.shape[0],
+            input_ids.data_ptr(),
+            ctypes.addressof(self.head_struct),
+            out.data_ptr(),
+            *args[:-1],
+        )
+        return out if _ran(rc) else None
+
+
+def _ran(rc: int) -> bool:
+    if rc in (-1, -3):  # shapes it does not take, or out of memory: nothing written
+        return False
+    if rc != 0:
+        raise RuntimeError(f"native decode step failed (code {rc})")
+    return True

@@ -43,6 +43,16 @@ class PagedDriver:
 
     def forward(self, prefills: list[tuple[Seq, int]], decodes: list[Seq]) -> tuple[torch.Tensor, list[int]]:
         """-> (hidden of every token of the step, row of each chunk's / decode's last token)."""
+        ids, pos, meta, last_rows = self.inputs(prefills, decodes)
+        return self.model(ids, pos, meta), last_rows
+
+    def decode_logits(self, decodes: list[Seq]) -> torch.Tensor | None:
+        """The model's one-call decode step (decode_logits): float32 logits of each decode, or None."""
+        ids, pos, meta, _ = self.inputs([], decodes)
+        return self.model.decode_logits(ids, pos, meta)
+
+    def inputs(self, prefills: list[tuple[Seq, int]], decodes: list[Seq]):
+        """-> (input ids, positions, metadata, row of each chunk's / decode's last token); marks them cached."""
         ids, pos, slots, last_rows = [], [], [], []
         for seq, n in prefills:
             self._add_tokens(seq, n, ids, pos, slots)
@@ -51,7 +61,7 @@ class PagedDriver:
             self._add_tokens(seq, 1, ids, pos, slots)
             last_rows.append(len(ids) - 1)
         meta = self.metadata(prefills, decodes, slots)
-        return self.model(torch.tensor(ids), torch.tensor(pos), meta), last_rows
+        return torch.tensor(ids), torch.tensor(pos), meta, last_rows
 
     def _add_tokens(self, seq: Seq, n: int, ids: list, pos: list, slots: list) -> None:
         start = seq.num_cached

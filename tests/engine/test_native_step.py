@@ -63,6 +63,23 @@ def decode_hidden(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One decode step of `batch` sequences at scattered contexts over a random cache: (hidden, the caches).
     native: force the native step on or off; None: as loaded."""
+    driver, seqs, caches = decode_setup(lm, batch, native, seed)
+    with torch.inference_mode():
+        hidden, _ = driver.forward([], seqs)
+    return hidden, [c.clone() for c in caches]
+
+
+def decode_logits(
+    lm, batch: int, native: bool, seed: int = 0
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """As decode_hidden, to logits: the one-call step (native) or the Python layers and head: (logits, caches)."""
+    driver, seqs, caches = decode_setup(lm, batch, native, seed)
+    with torch.inference_mode():
+        logits = driver.decode_logits(seqs) if native else driver.step([], seqs)
+    return logits, [c.clone() for c in caches]
+
+
+def decode_setup(lm, batch: int, native: bool | None, seed: int):
     if native is not None:
         lm.model.model.native_decode.off = not native
     driver = PagedDriver(lm.model, lm.arch, lm.dtype, max_seqs=batch, max_len=64)
@@ -78,22 +95,20 @@ def decode_hidden(
         seq = driver.new_seq([(5 * i + j) % 100 + 3 for j in range(ctx)])
         seq.num_cached = ctx - 1
         seqs.append(seq)
-    with torch.inference_mode():
-        hidden, _ = driver.forward([], seqs)
-    return hidden, [c.clone() for c in caches]
+    return driver, seqs, caches
 
 
-@pytest.mark.parametrize(
-    "case,dtype,quantization",
-    [
-        ("llama", "float32", "none"),
-        ("qwen2", "float32", "none"),
-        ("llama-bias", "float32", "none"),
-        ("llama", "bfloat16", "none"),
-        ("qwen2", "bfloat16", "none"),
-        ("llama", "float32", "int8"),
-    ],
-)
+VARIANTS = [
+    ("llama", "float32", "none"),
+    ("qwen2", "float32", "none"),
+    ("llama-bias", "float32", "none"),
+    ("llama", "bfloat16", "none"),
+    ("qwen2", "bfloat16", "none"),
+    ("llama", "float32", "int8"),
+]
+
+
+@pytest.mark.parametrize("case,dtype,quantization", VARIANTS)
 @pytest.mark.parametrize("batch", [1, 3, 13])
 def test_native_step_equals_the_python_layers(model_dir, runs, case, dtype, quantization, batch):
     torch.set_num_threads(2)  # the kernels split rows and channels by thread: both sides split the same way
@@ -218,3 +233,63 @@ def test_a_position_past_the_rotary_cache_is_declined_before_anything_is_written
         torch.zeros(1, 4, dtype=torch.int32),
         torch.tensor([6], dtype=torch.int32),
     )
+
+
+@pytest.mark.parametrize("case,dtype,quantization", VARIANTS)
+@pytest.mark.parametrize("batch", [1, 3, 13])
+def test_one_call_logits_equal_the_python_head(model_dir, case, dtype, quantization, batch):
+    """Embedding, layers, final norm and LM head in one call: the Python path's float32 logits, bit for bit."""
+    torch.set_num_threads(2)
+    lm = load_model(str(model_dir(case)), dtype=dtype, quantization=quantization)
+    ref, ref_caches = decode_logits(lm, batch, native=False)
+    got, caches = decode_logits(lm, batch, native=True)
+    if not native_linear_for(dtype, quantization):
+        assert got is None
+        return
+    assert got is not None and got.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches, strict=True))
+
+
+def test_one_call_logits_decline_a_head_without_a_native_kernel_and_a_bad_token(model_dir):
+    """Nothing is written when the call declines: the caller runs the Python path over an untouched cache."""
+    lm = load_model(str(model_dir("llama")), dtype="float32")
+    driver, seqs, caches = decode_setup(lm, 2, native=True, seed=3)
+    before = [c.clone() for c in caches]
+    ids, pos, meta, _ = driver.inputs([], seqs)
+    ids[1] = lm.arch.vocab_size  # past the embedding table
+    with torch.inference_mode():
+        assert lm.model.decode_logits(ids, pos, meta) is None
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+        head = lm.model.lm_head
+        lm.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        assert lm.model.decode_logits(ids.clamp(max=5), pos, meta) is None
+        assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_the_engine_decodes_through_the_one_call_step(model_dir, monkeypatch):
+    """The runner takes the one-call path for decode-only steps, and fp32 greedy output stays transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from llmdeploy.engine import LLM, SamplingParams
+
+    calls: list[bool] = []
+    real = DecodeLayers.logits
+
+    def spy(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DecodeLayers, "logits", spy)
+    folder = model_dir("qwen2")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, kv_cache_gb=0.01)
+    prompts = [[3, 17, 42, 9, 88], list(range(10, 40))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for ids, out in zip(prompts, outs, strict=True):
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        ref = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=10, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+    assert (True in calls) == native_linear_for("float32", "none")

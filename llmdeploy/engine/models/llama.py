@@ -287,6 +287,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """compute_logits(forward(...)) of a decode-only step in one native call on CPU (engine/models/native_step.py);
+        None where that does not apply (the caller then runs both)."""
+        return self.model.native_decode.logits(
+            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta
+        )
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

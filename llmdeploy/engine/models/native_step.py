@@ -37,29 +37,35 @@ def _native_layer(layer: LlamaDecoderLayer, dtype: torch.dtype) -> NativeLayer |
     return NativeLayer(*(n.detach() for n in norms), *linears, *caches)
 
 
-def _max_rows(model: LlamaModel) -> int | None:
-    """The fewest rows any projection runs natively (PackedLinear.native_max_rows: AMX takes more rows)."""
-    limits = [m.native_max_rows for m in model.modules() if getattr(m, "native_max_rows", None) is not None]
+def _max_rows(model: LlamaModel, head: torch.nn.Module | None) -> int | None:
+    """The fewest rows any projection (the head too) runs natively (PackedLinear.native_max_rows: AMX takes more
+    rows)."""
+    modules = [*model.modules(), *(head.modules() if head is not None else ())]
+    limits = [m.native_max_rows for m in modules if getattr(m, "native_max_rows", None) is not None]
     return min(limits) if limits else None
 
 
 class NativeDecode:
-    """The model's DecodeLayers, built at the first decode step and again when the KV cache moves."""
+    """The model's DecodeLayers, built at the first decode step and again when the KV cache or the head moves."""
 
     def __init__(self) -> None:
         self.off = not decode_step.enabled()
         self.key: tuple | None = None
         self.layers: DecodeLayers | None = None
         self.max_rows: int | None = None
+        self.head: torch.nn.Module | None = None  # the LM head `logits` was last asked with
 
     def disable(self) -> None:
         """engine.compile: the compiled layers run every step."""
         self.off = True
 
-    def _layers(self, model: LlamaModel, dtype: torch.dtype) -> DecodeLayers | None:
+    def _layers(
+        self, model: LlamaModel, dtype: torch.dtype, head: torch.nn.Module | None
+    ) -> DecodeLayers | None:
         first, last = model.layers[0].self_attn.attn, model.layers[-1].self_attn.attn
         key = (dtype, first.k_cache.data_ptr(), last.v_cache.data_ptr(), last.v_cache.numel())
-        if key != self.key:
+        if key != self.key or (head is not None and head is not self.head):
+            self.head = head if head is not None else self.head
             self.key, self.layers = key, self._build(model, dtype)
         return self.layers
 
@@ -88,8 +94,19 @@ class NativeDecode:
             or not final.weight.is_contiguous()
         ):
             return None
-        self.max_rows = _max_rows(model)
-        return DecodeLayers(layers, dims, dtype, final.weight.detach())
+        self.max_rows = _max_rows(model, self.head)
+        head = getattr(self.head, "native_linear", lambda: None)()
+        embed = model.embed_tokens.weight.detach()
+        return DecodeLayers(layers, dims, dtype, final.weight.detach(), embed, head)
+
+    def _declines(self, meta: AttentionMetadata, rows: int, device: torch.device) -> bool:
+        return (
+            self.off
+            or meta.num_prefill_tokens > 0
+            or meta.num_decode_tokens != rows
+            or device.type != "cpu"
+            or torch.compiler.is_compiling()
+        )
 
     def run(
         self,
@@ -103,20 +120,40 @@ class NativeDecode:
         """Every layer and the final norm over a decode-only step: hidden becomes the model's output (residual
         is overwritten); False: not run, nothing changed."""
         rows = hidden.shape[0]
-        if (
-            self.off
-            or meta.num_prefill_tokens
-            or meta.num_decode_tokens != rows
-            or hidden.device.type != "cpu"
-            or torch.compiler.is_compiling()
-        ):
+        if self._declines(meta, rows, hidden.device):
             return False
-        layers = self._layers(model, hidden.dtype)
+        layers = self._layers(model, hidden.dtype, None)
         if layers is None or (self.max_rows is not None and rows > self.max_rows):
             return False
         return layers.run(
             hidden,
             residual,
+            positions,
+            cos_sin,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+        )
+
+    def logits(
+        self,
+        model: LlamaModel,
+        head: torch.nn.Module,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """A decode-only step from token ids to the float32 logits of every row (embedding, layers, final norm and
+        `head` in one native call), as `head(model(...)).float()` gives them; None: not run, nothing changed."""
+        rows = input_ids.shape[0]
+        if self._declines(meta, rows, input_ids.device):
+            return None
+        layers = self._layers(model, model.embed_tokens.weight.dtype, head)
+        if layers is None or (self.max_rows is not None and rows > self.max_rows):
+            return None
+        return layers.logits(
+            input_ids,
             positions,
             cos_sin,
             meta.slot_mapping,
