@@ -103,7 +103,20 @@ def _coefficients(
     theta = _nonnegative_fit(sums)
     if theta is None:
         return fallback if fallback is not None else StepCost(0.0, 0.0, 0.0, margin, attn)
+    if theta[0] + theta[2] <= 0 and fallback is not None and fallback.decode_step_s(1) > 0:
+        # Both decode terms pinned at zero: a busy machine's mixed steps ran faster than its prefill-only ones and
+        # short prompts near zero (the schemathesis fuzz did it). A decode step is never free, and /load, TPOT and
+        # slot waits divide by or add it: the previous decode terms stay, the prefill rate is refitted with them.
+        fixed, per_seq = fallback.fixed_s, fallback.decode_seq_s
+        theta = [fixed, _prefill_rate_given(sums, fixed, per_seq), per_seq]
     return StepCost(*theta, margin, attn)
+
+
+def _prefill_rate_given(sums: _Sums, fixed_s: float, decode_seq_s: float) -> float:
+    """The least-squares prefill rate (>= 0) with the fixed and per-sequence terms held."""
+    if sums.pp <= 0:
+        return 0.0
+    return max(0.0, (sums.py - fixed_s * sums.p - decode_seq_s * sums.pd) / sums.pp)
 
 
 def _nonnegative_fit(sums: _Sums) -> list[float] | None:

@@ -128,3 +128,19 @@ def test_a_negative_intercept_is_pinned_at_zero_and_the_slopes_refitted():
     cost = meter.current()
     assert cost.fixed_s == 0.0 and cost.prefill_token_s > 0 and cost.decode_seq_s >= 0
     assert cost.step_s(200) == pytest.approx(0.1, rel=0.1)
+
+
+def test_decode_terms_pinned_at_zero_keep_their_previous_values():
+    """A busy machine's noise (a mixed step faster than the prefill-only ones, short prompts near zero) pinned
+    both decode terms at zero (seen in the schemathesis fuzz: /load divided by zero); a decode step must still
+    cost what the fit last said, and the prefill rate still follows the data."""
+    meter = StepCostMeter([CostPoint(256, 0, 0.2), CostPoint(16, 0, 0.02), CostPoint(0, 1, 0.008)])
+    short, long, mixed = (12, 0, 0.001), (200, 0, 0.531), (200, 6, 0.265)
+    steps = [short] * 12 + [long, mixed, short, short, long, short, long, long]
+    decode_1 = []
+    for i, (p, d, y) in enumerate(steps):
+        meter.observe(p, d, y, now=1000.0 + i)
+        decode_1.append(meter.current().decode_step_s(1))
+    assert min(decode_1) > 0
+    assert decode_1[-1] == pytest.approx(decode_1[-2])  # held, not refitted to zero
+    assert meter.current().prefill_token_s > 1.5 * meter.calibrated.prefill_token_s  # steeper, as the data
