@@ -48,7 +48,8 @@ def live_ceilings(spec: DeploymentSpec, est: Estimate, prompt_len: int, output_l
         return None
     t = Table(title="Measured throughput ceiling (running engines' step model)", title_justify="left")
     t.add_column("replica")
-    t.add_column("step cost", no_wrap=True)  # fixed + per prefill token + per decoding sequence
+    # fixed (+ with prefill tokens) + per prefill token + per decoding sequence
+    t.add_column("step cost", no_wrap=True)
     for col in ("batch", "tok/s", "req/s"):
         t.add_column(col, justify="right")
     for r in st.get("replicas", []):
@@ -60,7 +61,8 @@ def live_ceilings(spec: DeploymentSpec, est: Estimate, prompt_len: int, output_l
         batch = max(1, min(r.get("max_num_seqs") or spec.engine.max_num_seqs, kv_seqs or 1))
         c = throughput_ceiling(cost, batch, prompt_len, output_len)
         model = (
-            f"{cost.fixed_s * 1e3:.1f} ms + {cost.prefill_token_s * 1e3:.3f} ms/token"
+            f"{cost.fixed_s * 1e3:.1f} (+{cost.prefill_step_s * 1e3:.1f}) ms"
+            f" + {cost.prefill_token_s * 1e3:.3f} ms/token"
             f" + {cost.decode_seq_s * 1e3:.2f} ms/seq"
         )
         t.add_row(

@@ -1,11 +1,13 @@
 """The step-cost model fitted from the engine's own steps (the value type is llmdeploy/policies/step_cost.py).
 
-Weighted least squares of step time on [1, effective prefill tokens, decoding sequences]:
+Weighted least squares of step time on [1, has a prefill chunk, effective prefill tokens, decoding sequences]
+(a step with prefill tokens runs the Python layers; a decode-only one is one native call on CPU, 2-3x cheaper at
+batch 1, so one intercept for both made a 16-token prompt's TTFT 1.5x what it took, or a decode step 3-4x):
 - the warm-up's measured steps (a short and a long prefill, decodes at batch 1 and wider) are a prior that never
   decays, so the slope stays known when recent traffic has no spread (only 3-token prompts, say);
 - each real step is an observation whose weight decays per step and over idle time, so the fit follows a
   machine that got busier or faster, and after a long idle period it rests on the calibration again.
-A 3x3 solve per step is a few microseconds of Python.
+A 4x4 solve per step is tens of microseconds of Python.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ STEP_DECAY = 0.97  # per observed step: the last ~30 steps carry most of the wei
 IDLE_DECAY_S = 120.0  # and over wall time, so an idle engine's fit returns to its calibration
 PRIOR_WEIGHT = 2.0  # each warm-up point counts as two recent steps
 ERROR_WINDOW = 64
+OUTLIER_CLIP = 2.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -34,12 +37,14 @@ class CostPoint:
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a small system; None when singular."""
+    """Gaussian elimination with partial pivoting for a small system; None when singular: a pivot that is rounding
+    noise beside its column's own scale (two features that were equal in every step, say)."""
     n = len(b)
     m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
+    scale = [max(abs(row[col]) for row in a) for col in range(n)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-18:
+        if abs(m[pivot][col]) <= max(1e-18, 1e-10 * scale[col]):
             return None
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(n):
@@ -49,44 +54,44 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-class _Sums:
-    """Weighted sufficient statistics X'WX and X'Wy of x = [1, p, d] (X'WX symmetric: six sums). Plain floats:
-    the engine updates them every step, on caches the step's weights have just evicted."""
+# the fit's features, in StepCost's terms: every step, a step with a prefill chunk, its effective prefill tokens,
+# its decoding sequences
+FIXED, PREFILL_STEP, PREFILL_TOKEN, DECODE_SEQ = range(4)
+N_FEATURES = 4
 
-    __slots__ = ("w", "p", "d", "pp", "pd", "dd", "y", "py", "dy")
+
+def _features(p: float, d: float) -> tuple[float, float, float, float]:
+    return (1.0, 1.0 if p > 0 else 0.0, p, float(d))
+
+
+class _Sums:
+    """Weighted sufficient statistics X'WX and X'Wy of the features. Plain floats: the engine updates them every
+    step, on caches the step's weights have just evicted."""
+
+    __slots__ = ("xx", "xy")
 
     def __init__(self) -> None:
-        self.w = self.p = self.d = self.pp = self.pd = self.dd = self.y = self.py = self.dy = 0.0
+        self.xx = [[0.0] * N_FEATURES for _ in range(N_FEATURES)]
+        self.xy = [0.0] * N_FEATURES
 
     def add(self, p: float, d: float, y: float, w: float) -> None:
-        wp, wd = w * p, w * d
-        self.w += w
-        self.p += wp
-        self.d += wd
-        self.pp += wp * p
-        self.pd += wp * d
-        self.dd += wd * d
-        self.y += w * y
-        self.py += wp * y
-        self.dy += wd * y
+        x = _features(p, d)
+        for i, xi in enumerate(x):
+            if xi:
+                wx, row = w * xi, self.xx[i]
+                for j, xj in enumerate(x):
+                    row[j] += wx * xj
+                self.xy[i] += wx * y
 
     def __add__(self, other: _Sums) -> _Sums:
         out = _Sums()
-        for name in _Sums.__slots__:
-            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.xx = [[a + b for a, b in zip(r, o, strict=True)] for r, o in zip(self.xx, other.xx, strict=True)]
+        out.xy = [a + b for a, b in zip(self.xy, other.xy, strict=True)]
         return out
 
     def scale(self, f: float) -> None:
-        for name in _Sums.__slots__:
-            setattr(self, name, getattr(self, name) * f)
-
-    @property
-    def xx(self) -> list[list[float]]:
-        return [[self.w, self.p, self.d], [self.p, self.pp, self.pd], [self.d, self.pd, self.dd]]
-
-    @property
-    def xy(self) -> list[float]:
-        return [self.y, self.py, self.dy]
+        self.xx = [[a * f for a in row] for row in self.xx]
+        self.xy = [a * f for a in self.xy]
 
 
 def fit_points(points: list[CostPoint], attn_cost_context: float | None = None) -> StepCost:
@@ -103,38 +108,49 @@ def _coefficients(
     theta = _nonnegative_fit(sums)
     if theta is None:
         return fallback if fallback is not None else StepCost(0.0, 0.0, 0.0, margin, attn)
-    if theta[0] + theta[2] <= 0 and fallback is not None and fallback.decode_step_s(1) > 0:
+    if theta[FIXED] + theta[DECODE_SEQ] <= 0 and fallback is not None and fallback.decode_step_s(1) > 0:
         # Both decode terms pinned at zero: a busy machine's mixed steps ran faster than its prefill-only ones and
         # short prompts near zero (the schemathesis fuzz did it). A decode step is never free, and /load, TPOT and
-        # slot waits divide by or add it: the previous decode terms stay, the prefill rate is refitted with them.
-        fixed, per_seq = fallback.fixed_s, fallback.decode_seq_s
-        theta = [fixed, _prefill_rate_given(sums, fixed, per_seq), per_seq]
-    return StepCost(*theta, margin, attn)
+        # slot waits divide by or add it: the previous decode terms stay, the prefill terms are refitted with them.
+        held = {FIXED: fallback.fixed_s, DECODE_SEQ: fallback.decode_seq_s}
+        theta = _nonnegative_fit(sums, held) or [*_as_theta(fallback)]
+    return StepCost(
+        theta[FIXED],
+        theta[PREFILL_TOKEN],
+        theta[DECODE_SEQ],
+        margin,
+        attn,
+        prefill_step_s=theta[PREFILL_STEP],
+    )
 
 
-def _prefill_rate_given(sums: _Sums, fixed_s: float, decode_seq_s: float) -> float:
-    """The least-squares prefill rate (>= 0) with the fixed and per-sequence terms held."""
-    if sums.pp <= 0:
-        return 0.0
-    return max(0.0, (sums.py - fixed_s * sums.p - decode_seq_s * sums.pd) / sums.pp)
+def _as_theta(cost: StepCost) -> tuple[float, float, float, float]:
+    return (cost.fixed_s, cost.prefill_step_s, cost.prefill_token_s, cost.decode_seq_s)
 
 
-def _nonnegative_fit(sums: _Sums) -> list[float] | None:
-    """Least squares with every coefficient >= 0: a negative one is noise in a fit without spread, so it is
-    pinned at zero and the rest refitted (an active-set pass over three unknowns)."""
+def _nonnegative_fit(sums: _Sums, held: dict[int, float] | None = None) -> list[float] | None:
+    """Least squares with every coefficient >= 0 (`held` ones fixed at their values): a negative one is noise in a
+    fit without spread, so it is pinned at zero and the rest refitted (an active-set pass over four unknowns).
+    The prefill-step term is dropped where the data cannot tell it from the fixed one (every step had a prefill)."""
+    held = held or {}
     xx, xy = sums.xx, sums.xy
-    free = [i for i in range(3) if xx[i][i] > 0]  # a feature never seen (no decodes yet) stays at zero
+    rhs = [xy[i] - sum(xx[i][h] * v for h, v in held.items()) for i in range(N_FEATURES)]
+    theta = [held.get(i, 0.0) for i in range(N_FEATURES)]
+    # a feature never seen (no decodes yet, no prefill) stays at zero
+    free = [i for i in range(N_FEATURES) if i not in held and xx[i][i] > 0]
     while free:
-        sol = _solve([[xx[i][j] for j in free] for i in free], [xy[i] for i in free])
+        sol = _solve([[xx[i][j] for j in free] for i in free], [rhs[i] for i in free])
+        if sol is None and PREFILL_STEP in free:
+            free.remove(PREFILL_STEP)
+            continue
         if sol is None or any(not math.isfinite(v) for v in sol):
             return None
         if min(sol) >= 0:
-            theta = [0.0, 0.0, 0.0]
             for i, v in zip(free, sol, strict=True):
                 theta[i] = v
             return theta
         free.pop(min(range(len(sol)), key=lambda k: sol[k]))
-    return None
+    return theta if held else None
 
 
 class StepCostMeter:
@@ -159,7 +175,11 @@ class StepCostMeter:
             self.errors.append((seconds - predicted) / predicted)
         idle = max(0.0, now - self.last_observed - seconds)
         self.recent.scale(STEP_DECAY * math.exp(-idle / IDLE_DECAY_S))
-        self.recent.add(prefill_tokens, decodes, seconds, 1.0)
+        # one step counts at most OUTLIER_CLIP x its prediction: a fresh process's first prefill took 500 ms
+        # against ~30 (the KV cache's pages touched first, the allocator's first large buffers) and taught the fit
+        # a 60 ms prefill premium; a machine that really got slower still moves the fit, by up to that much a step
+        used = min(seconds, OUTLIER_CLIP * predicted) if predicted > 0 else seconds
+        self.recent.add(prefill_tokens, decodes, used, 1.0)
         self.last_observed = now
         if not prefill_tokens and decodes:
             bucket = min((b for b in BATCH_BUCKETS if b >= decodes), default=BATCH_BUCKETS[-1])

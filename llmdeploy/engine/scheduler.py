@@ -286,7 +286,11 @@ class Scheduler:
         # limits; judged on the conservative step time (a noisy machine: fewer riders)
         end = step.finish_by if self._behind(seq, step) else step.ride_by
         spare_s = (end - step.now) / self.cost.conservative(1.0)
-        room = (spare_s - self.cost.step_s(step.prefill_cost, step.decodes)) / self.cost.prefill_token_s
+        # with seq's chunk the step carries prefill, its first chunk or not
+        step_s = self.cost.step_s(step.prefill_cost, step.decodes) + (
+            0.0 if step.prefill_cost else self.cost.prefill_step_s
+        )
+        room = (spare_s - step_s) / self.cost.prefill_token_s
         if room < chunk_cost(seq.num_computed_tokens, 1, self.attn_cost_context):
             return 0
         return min(limit, self._chunk_for(seq, room))

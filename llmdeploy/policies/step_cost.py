@@ -1,9 +1,11 @@
 """The engine's step-cost model: what one forward step costs, as a value both the engine and the router use.
 
 A step costs a fixed part (every layer runs, weights are read, the step is prepared and sampled, even for a
-3-token prompt), plus a part per prefill token, plus a part per decoding sequence:
+3-token prompt), plus a fixed part more when it carries prefill tokens (they run the model's Python layers, where a
+decode-only step on CPU is one native call), plus a part per prefill token, plus a part per decoding sequence:
 
-    step_s = fixed_s + prefill_token_s * effective_prefill_tokens + decode_seq_s * decodes
+    step_s = fixed_s + prefill_step_s * [prefill tokens > 0] + prefill_token_s * effective_prefill_tokens
+             + decode_seq_s * decodes
 
 Charging a whole step to its prefill tokens (the old rate meter) made a short prompt look like a 50 tok/s engine
 and sent an idle engine's traffic to the cloud (issue 12). The engine fits these coefficients from its recent
@@ -44,9 +46,11 @@ class StepCost:
     decode_seq_s: float
     margin: float = 0.0  # relative error of recent predictions (about their p90): the conservative share
     attn_cost_context: float | None = None
+    prefill_step_s: float = 0.0  # what a step with prefill tokens costs beyond fixed_s
 
     def step_s(self, prefill_tokens: float = 0.0, decodes: int = 0) -> float:
-        return self.fixed_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decodes
+        prefill = self.prefill_step_s + self.prefill_token_s * prefill_tokens if prefill_tokens > 0 else 0.0
+        return self.fixed_s + prefill + self.decode_seq_s * decodes
 
     def decode_step_s(self, batch: int) -> float:
         """One decode-only step with `batch` sequences: the time per output token each of them sees."""
@@ -58,7 +62,7 @@ class StepCost:
         if tokens <= 0:
             return 0.0
         steps = math.ceil(tokens / max(1, budget))
-        per_step = self.fixed_s + self.decode_seq_s * decodes
+        per_step = self.fixed_s + self.prefill_step_s + self.decode_seq_s * decodes
         return steps * per_step + self.prefill_token_s * chunk_cost(context, tokens, self.attn_cost_context)
 
     def conservative(self, seconds: float) -> float:
@@ -67,12 +71,13 @@ class StepCost:
 
     def tokens_within(self, seconds: float, decodes: int = 0) -> int:
         """Most fresh prefill tokens one step can carry and still take at most `seconds` (at least 1)."""
-        room = seconds - self.fixed_s - self.decode_seq_s * decodes
+        room = seconds - self.fixed_s - self.prefill_step_s - self.decode_seq_s * decodes
         return max(1, int(room / self.prefill_token_s)) if self.prefill_token_s > 0 else 1 << 30
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fixed_ms": round(self.fixed_s * 1e3, 3),
+            "prefill_step_ms": round(self.prefill_step_s * 1e3, 3),
             "prefill_token_ms": round(self.prefill_token_s * 1e3, 5),
             "decode_seq_ms": round(self.decode_seq_s * 1e3, 4),
             "margin": round(self.margin, 3),
@@ -91,6 +96,7 @@ class StepCost:
                 float(data["decode_seq_ms"]) / 1e3,
                 float(data.get("margin") or 0.0),
                 None if attn is None else float(attn),
+                prefill_step_s=float(data.get("prefill_step_ms") or 0.0) / 1e3,  # absent from older engines
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -109,9 +115,15 @@ class Ceiling:
 def throughput_ceiling(cost: StepCost, batch: int, prompt_tokens: int, output_tokens: int) -> Ceiling:
     """Steady state with `batch` sequences always running, each request `prompt_tokens` in and `output_tokens` out:
     every step decodes the whole batch and carries the prefill of the requests that replace finished ones
-    (batch x prompt / output tokens a step on average)."""
+    (batch x prompt / output tokens a step on average, in batch / output of the steps)."""
     batch, out = max(1, batch), max(1, output_tokens)
     prefill_per_step = batch * prompt_tokens / out
-    step = cost.fixed_s + cost.decode_seq_s * batch + cost.prefill_token_s * prefill_per_step
+    prefill_steps = min(1.0, batch / out) if prompt_tokens > 0 else 0.0
+    step = (
+        cost.fixed_s
+        + cost.decode_seq_s * batch
+        + cost.prefill_step_s * prefill_steps
+        + cost.prefill_token_s * prefill_per_step
+    )
     tokens_per_s = batch / step if step > 0 else 0.0
     return Ceiling(batch, tokens_per_s, tokens_per_s / out)

@@ -144,3 +144,43 @@ def test_decode_terms_pinned_at_zero_keep_their_previous_values():
     assert min(decode_1) > 0
     assert decode_1[-1] == pytest.approx(decode_1[-2])  # held, not refitted to zero
     assert meter.current().prefill_token_s > 1.5 * meter.calibrated.prefill_token_s  # steeper, as the data
+
+
+def test_a_prefill_step_premium_is_fitted_apart_from_the_decode_step():
+    """Prefill steps run the Python layers, decode-only steps one native call: with one intercept for both, a
+    16-token prompt's TTFT came out 1.5x what it took. The fit separates them, and a decode step keeps its cost."""
+    true = StepCost(0.008, 0.0006, 0.0005, prefill_step_s=0.012)
+    points = [CostPoint(p, d, true.step_s(p, d)) for p, d in ((256, 0), (16, 0), (0, 1), (0, 8))]
+    fit = fit_points(points)
+    assert close(fit.fixed_s, true.fixed_s) and close(fit.prefill_step_s, true.prefill_step_s)
+    assert close(fit.prefill_token_s, true.prefill_token_s) and close(fit.decode_seq_s, true.decode_seq_s)
+    meter = StepCostMeter(points)
+    for i in range(40):  # mixed steps and decode-only ones, as served
+        p, d = (64, 3) if i % 3 == 0 else (0, 4)
+        meter.observe(p, d, true.step_s(p, d), now=1000.0 + i)
+    cost = meter.current()
+    assert cost.decode_step_s(4) == pytest.approx(true.decode_step_s(4), rel=0.01)
+    assert cost.step_s(16) == pytest.approx(true.step_s(16), rel=0.01)
+    back = StepCost.from_json(cost.to_json())
+    assert back is not None and back.prefill_step_s == pytest.approx(cost.prefill_step_s, rel=1e-3)
+    older = {k: v for k, v in cost.to_json().items() if k != "prefill_step_ms"}  # an engine before the term
+    assert StepCost.from_json(older).prefill_step_s == 0.0
+
+
+def test_prefill_only_data_leaves_the_premium_at_zero():
+    """Every step with prefill tokens: the premium and the fixed term are the same column; the fit keeps one."""
+    fit = fit_points([CostPoint(10, 0, 0.011), CostPoint(100, 0, 0.056), CostPoint(200, 0, 0.106)])
+    assert fit.prefill_step_s == 0.0 and fit.fixed_s == pytest.approx(0.006, rel=0.01)
+    assert fit.step_s(50) == pytest.approx(0.031, rel=0.01)
+
+
+def test_a_fresh_process_first_slow_prefill_does_not_price_decode_steps():
+    """The first real prefill after start took 500 ms against ~30 (first touch of the KV cache's pages): counted
+    at most twice its prediction, it moves neither the decode step nor a short prompt's TTFT far."""
+    meter = StepCostMeter(CALIBRATION)
+    before = meter.current()
+    meter.observe(32, 0, 0.5, now=1000.0)
+    cost = meter.current()
+    assert cost.decode_step_s(1) == pytest.approx(before.decode_step_s(1), rel=0.05)
+    assert cost.step_s(16) < 1.5 * before.step_s(16)
+    assert meter.errors[-1] > 10  # the margin still sees how far off that step was

@@ -99,14 +99,23 @@ class NativeDecode:
         embed = model.embed_tokens.weight.detach()
         return DecodeLayers(layers, dims, dtype, final.weight.detach(), embed, head)
 
-    def _declines(self, meta: AttentionMetadata, rows: int, device: torch.device) -> bool:
-        return (
-            self.off
-            or meta.num_prefill_tokens > 0
-            or meta.num_decode_tokens != rows
-            or device.type != "cpu"
-            or torch.compiler.is_compiling()
-        )
+    def _ready(
+        self,
+        model: LlamaModel,
+        dtype: torch.dtype,
+        head: torch.nn.Module | None,
+        meta: AttentionMetadata,
+        rows: int,
+    ) -> DecodeLayers | None:
+        """The layers for this step, or None where the native step does not take it."""
+        if self.off or meta.num_prefill_tokens > 0 or meta.num_decode_tokens != rows:
+            return None
+        if meta.slot_mapping.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        layers = self._layers(model, dtype, head)
+        if layers is None or (self.max_rows is not None and rows > self.max_rows):
+            return None
+        return layers
 
     def run(
         self,
@@ -119,21 +128,8 @@ class NativeDecode:
     ) -> bool:
         """Every layer and the final norm over a decode-only step: hidden becomes the model's output (residual
         is overwritten); False: not run, nothing changed."""
-        rows = hidden.shape[0]
-        if self._declines(meta, rows, hidden.device):
-            return False
-        layers = self._layers(model, hidden.dtype, None)
-        if layers is None or (self.max_rows is not None and rows > self.max_rows):
-            return False
-        return layers.run(
-            hidden,
-            residual,
-            positions,
-            cos_sin,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-        )
+        layers = self._ready(model, hidden.dtype, None, meta, hidden.shape[0])
+        return layers is not None and layers.run(hidden, residual, positions, cos_sin, *_paging(meta))
 
     def logits(
         self,
@@ -146,17 +142,10 @@ class NativeDecode:
     ) -> torch.Tensor | None:
         """A decode-only step from token ids to the float32 logits of every row (embedding, layers, final norm and
         `head` in one native call), as `head(model(...)).float()` gives them; None: not run, nothing changed."""
-        rows = input_ids.shape[0]
-        if self._declines(meta, rows, input_ids.device):
-            return None
-        layers = self._layers(model, model.embed_tokens.weight.dtype, head)
-        if layers is None or (self.max_rows is not None and rows > self.max_rows):
-            return None
-        return layers.logits(
-            input_ids,
-            positions,
-            cos_sin,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-        )
+        layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+        return None if layers is None else layers.logits(input_ids, positions, cos_sin, *_paging(meta))
+
+
+def _paging(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's slot mapping, block tables and context lengths, as the kernel takes them."""
+    return meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
