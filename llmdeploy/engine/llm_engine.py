@@ -55,7 +55,7 @@ class LLMEngine:
         self.guided = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.capabilities = engine_capabilities(self.tokenizer, self.runner.max_model_len)
         self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
-        self.step_expected_s = 0.0
+        self.step_shape = (0.0, 0)  # the running step's effective prefill tokens and decodes
         self.requests: dict[str, Request] = {}
         self.lock = threading.RLock()
         self.stream = True  # build outputs of unfinished requests too (LLM.generate only needs the last one)
@@ -104,6 +104,7 @@ class LLMEngine:
                 raise ParamError("request_id", f"Request id {request_id!r} is already in use.")
             self.requests[request_id] = req
             waited = max(0.0, time.time() - req.metrics.arrival_time)  # its deadline counts from its arrival
+            self.scheduler.set_cost(self.cost.current())  # the fit as of now: its deadline is set by it
             self.scheduler.add(seq, arrival=self.scheduler.clock() - waited)
 
     def abort(self, request_id: str) -> bool:
@@ -157,7 +158,7 @@ class LLMEngine:
             self._on_scheduled(batch)
             attn = self.scheduler.attn_cost_context
             prefill_cost = sum(chunk_cost(s.num_computed_tokens, n, attn) for s, n in batch.prefills)
-            self.step_expected_s = self.cost.current().step_s(prefill_cost, len(batch.decodes))
+            self.step_shape = (prefill_cost, len(batch.decodes))
             self.step_started = t0 = time.perf_counter()
             try:  # the block tables are read here, under the lock: an abort during the forward frees them
                 inputs = self.runner.prepare(batch)
@@ -175,7 +176,8 @@ class LLMEngine:
             record_prompt_logprobs(batch, self.runner.prompt_logprobs)
             self.scheduler.postprocess(batch)
             self.cost.observe(prefill_cost, len(batch.decodes), step_s)
-            self.scheduler.set_cost(self.cost.current())
+            if batch.prefills or self.scheduler.waiting:  # decode-only steps schedule without the model
+                self.scheduler.set_cost(self.cost.current())
             return self._process(batch, tokens, logprobs)
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
@@ -292,5 +294,6 @@ class LLMEngine:
         with self.lock:
             in_progress = 0.0
             if self.step_started is not None:
-                in_progress = max(0.0, self.step_expected_s - (time.perf_counter() - self.step_started))
+                expected = self.cost.current().step_s(*self.step_shape)
+                in_progress = max(0.0, expected - (time.perf_counter() - self.step_started))
             return queue_view(self.scheduler, self.cost.current(), self.runner.max_model_len, in_progress)

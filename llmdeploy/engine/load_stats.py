@@ -167,10 +167,11 @@ class StepCostMeter:
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.decode_step_s: dict[int, float] = {}  # batch bucket -> EWMA of decode-only steps
         self._current = self.calibrated
+        self._stale = False  # observed since the last fit: refitted when read
 
     def observe(self, prefill_tokens: float, decodes: int, seconds: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        predicted = self._current.step_s(prefill_tokens, decodes)
+        predicted = self._current.step_s(prefill_tokens, decodes)  # the last fit: a few steps old at most
         if predicted > 0:
             self.errors.append((seconds - predicted) / predicted)
         idle = max(0.0, now - self.last_observed - seconds)
@@ -185,7 +186,7 @@ class StepCostMeter:
             bucket = min((b for b in BATCH_BUCKETS if b >= decodes), default=BATCH_BUCKETS[-1])
             old = self.decode_step_s.get(bucket)
             self.decode_step_s[bucket] = seconds if old is None else old + 0.2 * (seconds - old)
-        self._current = self._fit()
+        self._stale = True
 
     def _fit(self) -> StepCost:
         return _coefficients(self.prior + self.recent, self._current, self.attn_cost_context, self.margin())
@@ -198,4 +199,8 @@ class StepCostMeter:
         return max(0.0, ordered[int(0.9 * (len(ordered) - 1))])
 
     def current(self) -> StepCost:
+        """The fit over every step observed so far. Refitted here, not per step: a batch-1 decode step on CPU
+        spent ~1% of its time on the 4x4 solve, and decode-only steps schedule without the model."""
+        if self._stale:
+            self._current, self._stale = self._fit(), False
         return self._current

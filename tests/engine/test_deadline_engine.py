@@ -110,13 +110,15 @@ def test_deadlines_come_from_the_live_step_cost_model_and_the_sla(engine):
         engine.add_request(f"w{i}", prompt(rng, 40), SamplingParams(max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    cost = engine.cost.current()
-    assert sch.cost is cost  # passed on after every step
-    assert not moved(sch.limits, limits_for_cost(BUDGET, cost))  # the limits follow it (within 10%)
     for n in (16, LONG):
         engine.add_request(f"d{n}", prompt(rng, n), SamplingParams(max_tokens=1))
+        cost = engine.cost.current()
+        assert sch.cost is cost  # passed on when a request arrives (and after steps with prefill work)
+        assert not moved(sch.limits, limits_for_cost(BUDGET, cost))  # the limits follow it (within 10%)
         seq = sch.waiting[-1]
         assert sch.deadline(seq) == pytest.approx(sch.clock() + relative_deadline_s(cost, n, sch.ttft_sla_s))
+    engine.step()  # a step with prefill work passes the fit on too
+    assert sch.cost is engine.cost.current()
     assert sch.ttft_sla_s == pytest.approx(engine.config.ttft_sla_ms / 1e3)
 
 
