@@ -7,7 +7,7 @@ batch 1, so one intercept for both made a 16-token prompt's TTFT 1.5x what it to
   decays, so the slope stays known when recent traffic has no spread (only 3-token prompts, say);
 - each real step is an observation whose weight decays per step and over idle time, so the fit follows a
   machine that got busier or faster, and after a long idle period it rests on the calibration again.
-A 4x4 solve per step is tens of microseconds of Python.
+A 4x4 solve is tens of microseconds of Python: done when the fit is read (`current()`), not after every step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ STEP_DECAY = 0.97  # per observed step: the last ~30 steps carry most of the wei
 IDLE_DECAY_S = 120.0  # and over wall time, so an idle engine's fit returns to its calibration
 PRIOR_WEIGHT = 2.0  # each warm-up point counts as two recent steps
 ERROR_WINDOW = 64
-OUTLIER_CLIP = 2.0
+OUTLIER_CLIP = 2.0  # a step counts at most this times its prediction (see observe)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
