@@ -107,6 +107,11 @@ class GrammarBackend:
         self._ready.wait()
         return self._error is None
 
+    @property
+    def settled(self) -> bool:
+        """Whether the start-up thread is done (built or failed), without waiting for it."""
+        return self._ready.is_set()
+
     def check(self, params: Any) -> None:
         """ParamError for what this engine cannot honour: an unusable grammar, a logit_bias id beyond the
         vocabulary. Checks the grammar now (cached), so a sequence starts without waiting for it."""

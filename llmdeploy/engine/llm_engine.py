@@ -285,9 +285,11 @@ class LLMEngine:
             )
 
     def load(self, ready: bool = True) -> dict:
-        """The /load JSON (docs/CONTRACTS.md section 4, engine/load_report.py)."""
+        """The /load JSON (docs/CONTRACTS.md section 4, engine/load_report.py). Not ready while the grammar
+        backend's start-up thread runs: on 2 cores a first request beside it took 350-530 ms to its first token
+        against ~30 (the thread holds the GIL and a core for ~0.3 s), so traffic waits for it, as /health does."""
         with self.lock:
-            return load_report(self, ready)
+            return load_report(self, ready and self.guided.settled)
 
     def queue_view(self) -> QueueView:
         """The scheduler's state as the TTFT model reads it."""

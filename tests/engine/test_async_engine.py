@@ -227,6 +227,9 @@ def test_a_model_error_fails_the_step_and_the_loop_keeps_serving(engine):
 def test_load_and_stats(engine):
     async def main():
         await engine.start()
+        await asyncio.to_thread(
+            lambda: engine.engine.guided.available
+        )  # ready waits for the grammar backend too
         load = engine.load()
         await collect(engine, [1, 2, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True), "counted")
         return load, engine.stats(), engine.load()
@@ -327,3 +330,19 @@ def test_an_abort_during_the_forward_fails_nothing_else(tiny_llama):
     )
     bm = eng.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_not_ready_until_the_grammar_backend_has_started(tiny_llama, monkeypatch):
+    """Its start-up thread holds the GIL and a core: a first request beside it took 10x its step on 2 cores, so
+    /load (and /health, which reads it) says not ready until it is done, built or failed."""
+    from llmdeploy.engine.guided import GrammarBackend
+
+    release = threading.Event()
+    build = GrammarBackend._build
+    monkeypatch.setattr(GrammarBackend, "_build", lambda self, tok: release.wait(60) and build(self, tok))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=256, kv_cache_gb=0.01))
+    assert engine.load()["ready"] is False and not engine.guided.settled
+    release.set()
+    assert engine.guided.available  # waits for the thread
+    assert engine.load()["ready"] is True
+    assert engine.load(ready=False)["ready"] is False
