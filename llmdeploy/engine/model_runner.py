@@ -156,6 +156,7 @@ class ModelRunner:
         self.calibration = self.warmup()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
+        self.first_touch()
         # CUDA only (engine/cuda_graphs.py); not across ranks: a graph would hold the other ranks' sums
         self.decode_graphs = capture_decode_graphs(self) if self.tp is None else None
         release_openmp_workers()
@@ -283,6 +284,20 @@ class ModelRunner:
             points.append(self._timed(ScheduledBatch(decodes=seqs[:batch]).finalize(), 0, batch))
         del scratch
         return points
+
+    @torch.inference_mode()
+    def first_touch(self) -> None:
+        """One short prefill into the serving cache's first block, at start. The cache is a fresh mapping whose
+        pages are faulted in when first written (huge pages, with direct compaction under THP defrag=madvise):
+        on Zen 4 that cost a fresh engine's first request ~170 ms of a ~45 ms step (60 huge pages, one per layer's
+        K and V). What it writes is overwritten before any sequence reads it: the block manager hands out block 0
+        first, and a sequence writes each position before attending to it. Later blocks' pages are still first
+        touched by the requests that reach them (one stripe of 2 MB per layer's K and V at a time)."""
+        if self.device.type != "cpu" or self.tp is not None:
+            return
+        seq = Sequence([i % self.arch.vocab_size for i in range(min(self.block_size, self.max_model_len))])
+        seq.block_table = [0]
+        self.run(ScheduledBatch(prefills=[(seq, len(seq))]).finalize())
 
     def _timed(self, batch: ScheduledBatch, prefill_tokens: int, decodes: int, **kw) -> CostPoint:
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)

@@ -178,3 +178,14 @@ def test_metrics_timestamps_are_ordered(tiny_llama):
     assert (
         m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     )
+
+
+def test_the_first_request_is_served_over_the_block_touched_at_start(tiny_model):
+    """At start the runner writes one short prefill into the cache's first block (its pages' first touch is paid
+    then, not by the first request); the first request gets that block and its output is still transformers'."""
+    path = tiny_model("llama")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_gb=0.01)
+    kv = llm.engine.runner.kv_cache
+    assert kv[:, :, 0].abs().sum() > 0 and kv[:, :, 1:].abs().sum() == 0
+    assert next(iter(llm.engine.block_manager.free_plain)) == 0  # the first request's first block
+    assert_parity(llm, path, prompts(1, seed=9, lo=20, hi=40))
