@@ -177,8 +177,9 @@ class StepCostMeter:
         idle = max(0.0, now - self.last_observed - seconds)
         self.recent.scale(STEP_DECAY * math.exp(-idle / IDLE_DECAY_S))
         # one step counts at most OUTLIER_CLIP x its prediction: a fresh engine's first prefill took 350-530 ms
-        # against ~30 (it shared 2 cores with the grammar backend's start-up thread) and taught the fit a 60 ms
-        # prefill premium; a machine that really got slower still moves the fit, by up to that much a step
+        # against ~30 (the grammar backend's start-up thread beside it, the KV cache's pages written first) and
+        # taught the fit a 60 ms prefill premium; a machine that really got slower still moves the fit, by up to
+        # that much a step
         used = min(seconds, OUTLIER_CLIP * predicted) if predicted > 0 else seconds
         self.recent.add(prefill_tokens, decodes, used, 1.0)
         self.last_observed = now

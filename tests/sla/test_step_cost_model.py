@@ -175,7 +175,7 @@ def test_prefill_only_data_leaves_the_premium_at_zero():
 
 
 def test_a_fresh_process_first_slow_prefill_does_not_price_decode_steps():
-    """The first real prefill after start took 350-530 ms against ~30 (the grammar start-up thread beside it): counted
+    """A fresh engine's first prefill took 350-530 ms against ~30 (start-up work beside it, first page touches): counted
     at most twice its prediction, it moves neither the decode step nor a short prompt's TTFT far."""
     meter = StepCostMeter(CALIBRATION)
     before = meter.current()
