@@ -294,8 +294,9 @@ class LLMEngine:
     def queue_view(self) -> QueueView:
         """The scheduler's state as the TTFT model reads it."""
         with self.lock:
-            in_progress = 0.0
+            cost, in_progress = self.cost.current(), 0.0
             if self.step_started is not None:
-                expected = self.cost.current().step_s(*self.step_shape)
-                in_progress = max(0.0, expected - (time.perf_counter() - self.step_started))
-            return queue_view(self.scheduler, self.cost.current(), self.runner.max_model_len, in_progress)
+                in_progress = max(
+                    0.0, cost.step_s(*self.step_shape) - (time.perf_counter() - self.step_started)
+                )
+            return queue_view(self.scheduler, cost, self.runner.max_model_len, in_progress)

@@ -47,7 +47,7 @@ def load_report(engine: LLMEngine, ready: bool) -> dict[str, Any]:
     stats = engine.stats()
     ladder = ttft_ladder(queue, cost, max_model_len)
     typical = cost.step_s(256.0) / 256.0
-    # 0 where a prefill-heavy stretch pinned both of the fit's decode terms at zero
+    # 0 only where the fit has no decode terms at all (a warm-up it could not solve): the meter keeps them otherwise
     decode_s = cost.decode_step_s(queue.decoding)
     return {
         "waiting": stats.waiting,

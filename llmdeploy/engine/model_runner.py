@@ -377,8 +377,6 @@ class ModelRunner:
         """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata."""
         bs, dev = self.block_size, self.device
         chunks, dec = batch.prefills, batch.decodes
-        if dec and not chunks:
-            return self.prepare_decodes(dec)
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
@@ -420,21 +418,6 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         logit_idx = torch.tensor([last[s.seq_id] for s in batch.logit_seqs], dtype=torch.long, device=dev)
         return input_ids, positions, meta, logit_idx
-
-    def prepare_decodes(self, dec: list[Sequence]) -> StepInputs:
-        """prepare() of a decode-only step, with fewer tensors made: at batch 1 every small tensor op of a step
-        runs on caches the weights have just flushed."""
-        bs, dev = self.block_size, self.device
-        lens = [len(s) for s in dec]
-        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(dec, lens, strict=True)]
-        ids, positions, slot_mapping = torch.tensor(
-            [[s.token_ids[-1] for s in dec], [n - 1 for n in lens], slots], dtype=torch.long, device=dev
-        )
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=0, num_decode_tokens=len(dec))
-        meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        meta.decode_block_tables = self.block_tables(dec, max(lens))
-        meta.decode_max_context_len = max(lens)
-        return ids, positions, meta, torch.arange(len(dec), device=dev)
 
     def block_tables(self, seqs: list[Sequence], max_context_len: int) -> torch.Tensor:
         width = -(-max_context_len // self.block_size)

@@ -46,9 +46,7 @@ def long_prefill_limits(max_num_batched_tokens: int, in_step: int) -> LongPrefil
 def limits_for_cost(max_num_batched_tokens: int, cost: StepCost) -> LongPrefillLimits:
     """long_prefill_limits at the step-time bound under the step-cost model (see LONG_PREFILL_STEP_S)."""
     short_prefill_s = cost.prefill_token_s * SHORT_PROMPT_TOKENS  # what it adds to a step
-    bound_s = max(
-        LONG_PREFILL_STEP_S, cost.fixed_s + cost.prefill_step_s + SHORT_PROMPT_SHARE * short_prefill_s
-    )
+    bound_s = max(LONG_PREFILL_STEP_S, cost.with_prefill_s() + SHORT_PROMPT_SHARE * short_prefill_s)
     return long_prefill_limits(max_num_batched_tokens, cost.tokens_within(bound_s))
 
 

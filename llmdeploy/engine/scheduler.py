@@ -287,9 +287,7 @@ class Scheduler:
         end = step.finish_by if self._behind(seq, step) else step.ride_by
         spare_s = (end - step.now) / self.cost.conservative(1.0)
         # with seq's chunk the step carries prefill, its first chunk or not
-        step_s = self.cost.step_s(step.prefill_cost, step.decodes) + (
-            0.0 if step.prefill_cost else self.cost.prefill_step_s
-        )
+        step_s = self.cost.with_prefill_s(step.decodes) + self.cost.prefill_token_s * step.prefill_cost
         room = (spare_s - step_s) / self.cost.prefill_token_s
         if room < chunk_cost(seq.num_computed_tokens, 1, self.attn_cost_context):
             return 0

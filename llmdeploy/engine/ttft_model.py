@@ -44,7 +44,7 @@ def predicted_ttft_s(q: QueueView, cost: StepCost, prompt_tokens: int) -> float:
     p = max(1, prompt_tokens)
     long = q.long_threshold is not None and p > q.long_threshold
     room = max(1, q.budget - q.decoding)
-    per_step = cost.fixed_s + cost.prefill_step_s + cost.decode_seq_s * q.decoding  # steps carrying prefill
+    per_step = cost.with_prefill_s(q.decoding)
     deadline = relative_deadline_s(cost, p, q.ttft_sla_s)
     slack = [_slack(x, cost, q) for x in q.pending]
     first = [s <= deadline for s in slack]  # an earlier deadline: served before it

@@ -52,6 +52,10 @@ class StepCost:
         prefill = self.prefill_step_s + self.prefill_token_s * prefill_tokens if prefill_tokens > 0 else 0.0
         return self.fixed_s + prefill + self.decode_seq_s * decodes
 
+    def with_prefill_s(self, decodes: int = 0) -> float:
+        """The part of a step carrying prefill tokens that does not grow with them."""
+        return self.fixed_s + self.prefill_step_s + self.decode_seq_s * decodes
+
     def decode_step_s(self, batch: int) -> float:
         """One decode-only step with `batch` sequences: the time per output token each of them sees."""
         return self.step_s(0.0, max(1, batch))
@@ -62,8 +66,9 @@ class StepCost:
         if tokens <= 0:
             return 0.0
         steps = math.ceil(tokens / max(1, budget))
-        per_step = self.fixed_s + self.prefill_step_s + self.decode_seq_s * decodes
-        return steps * per_step + self.prefill_token_s * chunk_cost(context, tokens, self.attn_cost_context)
+        return steps * self.with_prefill_s(decodes) + self.prefill_token_s * chunk_cost(
+            context, tokens, self.attn_cost_context
+        )
 
     def conservative(self, seconds: float) -> float:
         """What a p99 target is compared with: the prediction plus the fit's recent relative error."""
@@ -71,7 +76,7 @@ class StepCost:
 
     def tokens_within(self, seconds: float, decodes: int = 0) -> int:
         """Most fresh prefill tokens one step can carry and still take at most `seconds` (at least 1)."""
-        room = seconds - self.fixed_s - self.prefill_step_s - self.decode_seq_s * decodes
+        room = seconds - self.with_prefill_s(decodes)
         return max(1, int(room / self.prefill_token_s)) if self.prefill_token_s > 0 else 1 << 30
 
     def to_json(self) -> dict[str, Any]:
