@@ -147,7 +147,7 @@ def test_deep_queue_overflows_real_engine_to_cloud_with_zero_failures(fakes, sta
 
     def one(_):
         r = api.chat.completions.with_raw_response.create(
-            model=ALIAS, messages=CHAT, max_tokens=200, extra_body={"ignore_eos": True}
+            model=ALIAS, messages=CHAT, max_tokens=900, extra_body={"ignore_eos": True}
         )
         return r.headers["x-llmdeploy-backend"], r.parse()
 
