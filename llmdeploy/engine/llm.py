@@ -18,7 +18,7 @@ class LLM:
         config, unknown = EngineConfig.from_kwargs(model=model, **kwargs)
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, eager_grammar=False)  # built when a request first needs it
         self.engine.stream = False
         self.tokenizer = self.engine.tokenizer
         self._ids = count()

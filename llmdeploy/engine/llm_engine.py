@@ -36,7 +36,7 @@ log = logging.getLogger("llmdeploy.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, eager_grammar: bool = True):
         self.runner = ModelRunner(config, loaded)
         # max_model_len as capped by the model's positions
         self.config = replace(config, max_model_len=self.runner.max_model_len)
@@ -52,7 +52,9 @@ class LLMEngine:
             cost=self.cost.current(),  # deadlines and long-prefill limits follow the live fit (step: set_cost)
         )
         self.sampler = Sampler(config.seed, self.runner.device)
-        self.guided = GrammarBackend(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        self.guided = GrammarBackend(
+            self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids, eager=eager_grammar
+        )
         self.capabilities = engine_capabilities(self.tokenizer, self.runner.max_model_len)
         self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
         self.step_shape = (0.0, 0)  # the running step's effective prefill tokens and decodes

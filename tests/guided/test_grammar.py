@@ -117,3 +117,18 @@ def test_logit_bias_outside_the_vocabulary(backend, tokenizer):
     with pytest.raises(ParamError) as err:
         backend.check(SamplingParams(logit_bias={len(tokenizer) + 5: 1.0}))
     assert err.value.param == "logit_bias"
+
+
+def test_the_offline_api_builds_the_grammar_tokenizer_only_when_a_request_needs_it(tiny_llama):
+    """A server builds it at start (its readiness waits for it); the offline LLM would have run its first
+    generate() beside the build's thread, so it builds it on first use, and a constrained request still works."""
+    from llmdeploy.engine import LLM
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_num_seqs=4, max_model_len=256)
+    backend = llm.engine.guided
+    assert backend.settled and backend.tokenizer is None  # nothing built, nothing under way
+    plain = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(plain.outputs[0].token_ids) == 4 and backend.tokenizer is None  # a free request builds nothing
+    choice = GuidedSpec("choice", json.dumps(["yes", "no"]), "guided_choice")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, guided=choice))[0]
+    assert out.outputs[0].text in ("yes", "no") and backend.settled and backend.available
