@@ -306,11 +306,12 @@ def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
 
 
 @needs_bf16_linear
-@pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 9 + 3])  # 7 and 10 tiles: groups of 3, 2 and 1
+@pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 9 + 3, 32 * 23 + 5])  # 7, 10, 24 tiles, the last one partial
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("streams", [1, 2, 3])
 def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, monkeypatch):
-    """As the float32 linears: one row walks `streams` tiles at once, each output's pairs still added in order."""
+    """As the float32 linears: one row walks `streams` runs of tiles at once (the partial last tile inside a run,
+    or in the group of what is left over), each output's pairs still added in order."""
     lib, g = cpu_native.library(), torch.Generator().manual_seed(n)
     k = 78
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, k, generator=g).bfloat16()

@@ -38,4 +38,33 @@ static inline void thread_tiles(int64_t tiles, int64_t *t0, int64_t *t1) {
             FOR_TILE_GROUPS(t0_, t1_, streams_, WALK)                                                        \
         }                                                                                                    \
     } while (0)
+/* tiles [t0, t1) as `streams` runs of consecutive tiles read side by side: WALK(t, d, G) walks tiles t, t + d, ...
+ * (G of them, a constant 1-3), so each stream goes on into the next tile of its run, which follows in memory; the
+ * last (t1 - t0) % streams tiles go as one group of adjacent tiles. Why, against FOR_TILE_GROUPS' adjacent tiles
+ * (each stream ending after one tile): Zen 4's bf16 one-row linears in the host's fast memory band (probe 55-65
+ * GB/s) read SmolLM2's 121 weights in 1.10x the probe's time instead of 1.23x (C harness, 150 alternating pairs),
+ * and bf16 batch-1 engine steps took 0.92-0.94x the time (even in the 36-38 GB/s band); float32's twice-as-long
+ * tiles gained nothing (engine steps 0.90-1.13x, median 1.01), so its walks keep the groups. */
+#define FOR_TILE_RUNS(t0, t1, streams, WALK)                                                                \
+    do {                                                                                                     \
+        const int64_t per_ = ((t1) - (t0)) / (streams), rest_ = (t0) + (streams) * per_;                     \
+        for (int64_t i_ = 0; i_ < per_; i_++) {                                                              \
+            if ((streams) == 3) WALK((t0) + i_, per_, 3);                                                    \
+            else if ((streams) == 2) WALK((t0) + i_, per_, 2);                                               \
+            else WALK((t0) + i_, per_, 1);                                                                   \
+        }                                                                                                    \
+        if ((t1) - rest_ == 2) WALK(rest_, 1, 2);                                                            \
+        else if ((t1) - rest_ == 1) WALK(rest_, 1, 1);                                                       \
+    } while (0)
+
+/* SIDE_BY_SIDE_TILE_GROUPS with runs: every thread walks its share as FOR_TILE_RUNS does */
+#define SIDE_BY_SIDE_TILE_RUNS(WALK)                                                                         \
+    do {                                                                                                     \
+        const int streams_ = llmd_row_streams;                                                               \
+        _Pragma("omp parallel num_threads(nthreads)") {                                                     \
+            int64_t t0_, t1_;                                                                                \
+            thread_tiles(tiles, &t0_, &t1_);                                                                 \
+            FOR_TILE_RUNS(t0_, t1_, streams_, WALK);                                                         \
+        }                                                                                                    \
+    } while (0)
 #endif
