@@ -178,6 +178,17 @@ class BlockManager:
         seq.block_table[i] = dst.block_id
         return src.block_id, dst.block_id
 
+    def reserve_ahead(self, seqs: list[Sequence], tokens: int) -> bool:
+        """Blocks for each sequence's next `tokens` positions after its last token (a decode burst writes them
+        before the scheduler sees them), all or none. The last token's own block is may_append's; the reserved
+        blocks are ordinary table entries: later appends use them, deallocate frees them."""
+        need = [self.blocks_for(len(s) + tokens) - len(s.block_table) for s in seqs]
+        if sum(max(0, n) for n in need) > self.num_free_blocks:
+            return False
+        for seq, n in zip(seqs, need, strict=True):
+            seq.block_table.extend(self._take_free().block_id for _ in range(n))
+        return True
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1

@@ -34,6 +34,9 @@ class EngineConfig:
     # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
     ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
     tensor_parallel: int = 1  # parallel.tensor_parallel: ranks of this engine (engine/parallel/)
+    decode_burst: int = (
+        4  # greedy decode steps one native call may run on CPU (policies/decode_burst.py); 1 = off
+    )
 
     def __post_init__(self) -> None:
         # same rules as the YAML, so a config built in code fails the same way a spec would
@@ -43,6 +46,7 @@ class EngineConfig:
         assert self.quantization in ("none", "int8", "gguf"), f"unknown quantization {self.quantization}"
         assert self.ttft_sla_ms > 0, "ttft_sla_ms must be > 0"
         assert self.tensor_parallel >= 1, "tensor_parallel must be >= 1"
+        assert self.decode_burst >= 1, "decode_burst must be >= 1"
 
     @property
     def ttft_sla_s(self) -> float:

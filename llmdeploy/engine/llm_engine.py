@@ -25,11 +25,12 @@ from llmdeploy.engine.model_runner import ModelRunner
 from llmdeploy.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from llmdeploy.engine.prompt_size import measure_prompt_size
 from llmdeploy.engine.request import Request, record_prompt_logprobs
-from llmdeploy.engine.sampler import Sampler
+from llmdeploy.engine.sampler import Sampler, plain_greedy
 from llmdeploy.engine.sampling_params import SamplingParams
 from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.engine.ttft_model import QueueView
+from llmdeploy.policies.decode_burst import burst_steps
 from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
@@ -58,6 +59,7 @@ class LLMEngine:
         self.capabilities = engine_capabilities(self.tokenizer, self.runner.max_model_len)
         self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
         self.step_shape = (0.0, 0)  # the running step's effective prefill tokens and decodes
+        self.step_count = 1  # steps the running native call takes (a decode burst: policies/decode_burst.py)
         self.requests: dict[str, Request] = {}
         self.lock = threading.RLock()
         self.stream = True  # build outputs of unfinished requests too (LLM.generate only needs the last one)
@@ -160,27 +162,73 @@ class LLMEngine:
             self._on_scheduled(batch)
             attn = self.scheduler.attn_cost_context
             prefill_cost = sum(chunk_cost(s.num_computed_tokens, n, attn) for s, n in batch.prefills)
-            self.step_shape = (prefill_cost, len(batch.decodes))
+            steps = self._burst_steps(batch)
+            self.step_shape, self.step_count = (prefill_cost, len(batch.decodes)), steps
             self.step_started = t0 = time.perf_counter()
             try:  # the block tables are read here, under the lock: an abort during the forward frees them
-                inputs = self.runner.prepare(batch)
+                inputs = self.runner.prepare(batch, ahead=steps - 1)
             except Exception as exc:
                 return self._step_failed(batch, exc)
         try:
-            logits = self.runner.run(batch, inputs=inputs)
-            tokens, logprobs = self.sampler(logits, batch.samples, self.arch.eos_token_ids)
+            burst = self.runner.run_burst(batch, inputs, steps) if steps > 1 else None
+            if burst is None:
+                logits = self.runner.run(batch, inputs=inputs)
+                tokens, logprobs = self.sampler(logits, batch.samples, self.arch.eos_token_ids)
         except Exception as exc:  # a model error fails this batch's requests; the engine keeps serving
             with self.lock:
                 return self._step_failed(batch, exc)
         step_s = time.perf_counter() - t0
         with self.lock:
             self.step_started = None
+            if burst is not None:
+                return self._burst_done(batch, burst, step_s)
             record_prompt_logprobs(batch, self.runner.prompt_logprobs)
             self.scheduler.postprocess(batch)
             self.cost.observe(prefill_cost, len(batch.decodes), step_s)
             if batch.prefills or self.scheduler.waiting:  # decode-only steps schedule without the model
                 self.scheduler.set_cost(self.cost.current())
             return self._process(batch, tokens, logprobs)
+
+    def _burst_steps(self, batch: ScheduledBatch) -> int:
+        """Under the lock, after scheduling: the decode steps this step's native call runs (1: an ordinary
+        step); for a burst, the blocks of its later positions are reserved here."""
+        seqs = batch.decodes
+        plain = (
+            self.runner.bursts
+            and not batch.prefills
+            and not batch.forks
+            and not batch.blocks_to_copy
+            and len(batch.samples) == len(seqs)
+            and all(plain_greedy(s) and s.params.logprobs is None for s in seqs)
+        )
+        if not plain:
+            return 1
+        limit = self.runner.max_model_len
+        room = [
+            min(
+                limit - len(s),
+                limit if s.params.max_tokens is None else s.params.max_tokens - s.num_output_tokens,
+            )
+            for s in seqs
+        ]
+        steps = burst_steps(self.config.decode_burst, len(seqs), len(self.scheduler.waiting), room)
+        return steps if steps == 1 or self.block_manager.reserve_ahead(seqs, steps - 1) else 1
+
+    def _burst_done(
+        self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float
+    ) -> list[RequestOutput]:
+        """Under the lock: a burst's tokens, one step at a time as ordinary steps would have taken them (a
+        sequence that stops drops the rest), then one output per request with all its new tokens."""
+        steps = len(tokens[0])
+        touched: dict[str, Request] = {}
+        for j in range(steps):
+            self.scheduler.postprocess(batch)
+            self.cost.observe(0.0, len(batch.decodes), step_s / steps)
+            step_tokens = [tokens[row][j] for _, row in batch.samples]
+            touched.update(self._accept(batch, step_tokens, [None] * len(step_tokens)))
+        if self.scheduler.waiting:
+            self.scheduler.set_cost(self.cost.current())
+        return self._outputs(touched)
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """Under the lock: fail this batch's requests; the engine keeps serving."""
@@ -207,7 +255,12 @@ class LLMEngine:
     def _process(
         self, batch: ScheduledBatch, tokens: list[int], logprobs: list[TokenLogprob | None]
     ) -> list[RequestOutput]:
-        now = time.time()
+        return self._outputs(self._accept(batch, tokens, logprobs))
+
+    def _accept(
+        self, batch: ScheduledBatch, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> dict[str, Request]:
+        """Each sample's token appended (finishing its sequence where it stops); the requests that took one."""
         touched: dict[str, Request] = {}
         for (seq, _), token, lp in zip(batch.samples, tokens, logprobs, strict=True):
             req = self.requests.get(seq.request_id)
@@ -228,6 +281,10 @@ class LLMEngine:
                 continue
             touched[req.request_id] = req
             self.counters["generation"] += 1
+        return touched
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        now = time.time()
         outputs = []
         for req in touched.values():
             m = req.metrics
@@ -299,6 +356,8 @@ class LLMEngine:
             cost, in_progress = self.cost.current(), 0.0
             if self.step_started is not None:
                 in_progress = max(
-                    0.0, cost.step_s(*self.step_shape) - (time.perf_counter() - self.step_started)
+                    0.0,
+                    cost.step_s(*self.step_shape) * self.step_count
+                    - (time.perf_counter() - self.step_started),
                 )
             return queue_view(self.scheduler, cost, self.runner.max_model_len, in_progress)

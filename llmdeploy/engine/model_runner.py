@@ -341,6 +341,23 @@ class ModelRunner:
         self.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         return self.model.compute_logits(hidden[logit_idx])
 
+    @property
+    def bursts(self) -> bool:
+        """Whether run_burst can run here: the native decode step, on CPU, one rank."""
+        return self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_greedy")
+
+    def run_burst(self, batch: ScheduledBatch, inputs: StepInputs, steps: int) -> list[list[int]] | None:
+        """`steps` greedy decode steps of a decode-only batch in one native call (its sequences' blocks reserved
+        for them and `inputs` prepared with `ahead=steps - 1`): [decodes][steps] token ids, or None (nothing run:
+        the caller runs one ordinary step)."""
+        if batch.prefills or batch.blocks_to_copy or not self.bursts:
+            return None
+        input_ids, positions, meta, _ = inputs
+        tokens = self.model.decode_greedy(input_ids, positions, meta, steps)
+        if tokens is not None:
+            self.prompt_logprobs = {}
+        return tokens
+
     def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor) -> dict[int, list[TokenLogprob]]:
         """seq_id -> the logprobs of the prompt tokens this step's chunk predicts (echo with logprobs). Each
         chunk row at position p scores prompt token p + 1; rows go through the head in slices so a long chunk
@@ -373,8 +390,9 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata."""
+    def prepare(self, batch: ScheduledBatch, ahead: int = 0) -> StepInputs:
+        """Flat input_ids/positions/slot_mapping (prefill chunks first, then decodes) and the metadata. `ahead`: the
+        decodes' block tables also cover that many positions after this step's (a decode burst, run_burst)."""
         bs, dev = self.block_size, self.device
         chunks, dec = batch.prefills, batch.decodes
         ids: list[int] = []
@@ -412,7 +430,7 @@ class ModelRunner:
         if dec:
             lens = [len(s) for s in dec]
             meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-            meta.decode_block_tables = self.block_tables(dec, max(lens))
+            meta.decode_block_tables = self.block_tables(dec, max(lens) + ahead)
             meta.decode_max_context_len = max(lens)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)

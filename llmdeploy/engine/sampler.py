@@ -18,6 +18,18 @@ from llmdeploy.engine.sequence import Sequence
 from llmdeploy.kernels import cpu_native
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether this sequence's next token is its logits' argmax as they come: greedy, no penalties, min_tokens
+    reached, no grammar or logit_bias (logprobs aside: they read the logits, they do not change the pick)."""
+    p = seq.params
+    return (
+        p.greedy
+        and not p.has_penalties
+        and seq.num_output_tokens >= p.min_tokens
+        and not needs_logit_rules(seq)
+    )
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -34,13 +46,7 @@ class Sampler:
         rows = [r for _, r in samples]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        plain = all(
-            s.params.greedy
-            and not s.params.has_penalties
-            and not self._min_tokens_active(s)
-            and not needs_logit_rules(s)
-            for s in seqs
-        )
+        plain = all(plain_greedy(s) for s in seqs)
         want_logprobs = any(s.params.logprobs is not None for s in seqs)
         if plain and not want_logprobs:  # fast path: no copies, no sort
             tokens = cpu_native.argmax_rows(logits)

@@ -132,26 +132,31 @@ class DecodeLayers:
         m: int,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> tuple | None:
-        """The kernel's arguments from M on, or None where it does not take these buffers."""
+        """The kernel's arguments from M on, or None where it does not take these buffers. Without a slot mapping
+        (llmd_decode_greedy: each step's slots come from the tables) the slot pointer is left out."""
         d = self.dims
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
+        slots_fit = slot_mapping is None or (
+            slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.numel() == m
+        )
         if not (
-            positions.dtype == slot_mapping.dtype == torch.int64
+            slots_fit
+            and positions.dtype == torch.int64
             and positions.is_contiguous()
             and positions.numel() == m
             and cos_sin.dtype == torch.float32
             and cos_sin.is_contiguous()
             and cos_sin.dim() == 2
             and cos_sin.shape[1] == d.head_dim
-            and slot_mapping.is_contiguous()
-            and slot_mapping.numel() == tables.shape[0] == lens.numel() == m
+            and tables.shape[0] == lens.numel() == m
         ):
             return None
+        slots = () if slot_mapping is None else (slot_mapping.data_ptr(),)
         return (
             m,
             d.hidden,
@@ -163,7 +168,7 @@ class DecodeLayers:
             positions.data_ptr(),
             cos_sin.data_ptr(),
             cos_sin.shape[0],
-            slot_mapping.data_ptr(),
+            *slots,
             tables.data_ptr(),
             tables.stride(0),
             lens.data_ptr(),
@@ -239,6 +244,44 @@ class DecodeLayers:
             *args[:-1],
         )
         return out if _ran(rc) else None
+
+    def greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        steps: int,
+    ) -> list[list[int]] | None:
+        """`steps` decode steps from input_ids [M] at positions [M], each row's next input its greedy token (the
+        first index of its largest logit): [M][steps] token ids. The block tables must cover every position up to
+        positions + steps - 1. None (nothing written) where `logits` would decline or a position passes the
+        tables or the rotary cache."""
+        m = input_ids.numel()
+        if self.head is None or input_ids.dtype != torch.int64 or not input_ids.is_contiguous() or steps < 1:
+            return None
+        args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
+        if args is None:
+            return None
+        tokens = (ctypes.c_int64 * (m * steps))()
+        rc = cpu_native.library().llmd_decode_greedy(
+            int(self.dtype == torch.bfloat16),
+            len(self.layers),
+            ctypes.addressof(self.structs),
+            self.final_norm.data_ptr(),
+            self.embed.data_ptr(),
+            self.embed.shape[0],
+            input_ids.data_ptr(),
+            ctypes.addressof(self.head_struct),
+            tokens,
+            steps,
+            *args[:-1],
+        )
+        if not _ran(rc):
+            return None
+        flat = list(tokens)
+        return [flat[n * steps : (n + 1) * steps] for n in range(m)]
 
 
 def _ran(rc: int) -> bool:

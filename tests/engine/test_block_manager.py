@@ -282,3 +282,24 @@ def test_run_to_completion_frees_everything_under_preemption():
     run_all(sched)
     assert sched.num_preemptions > 0
     assert sched.bm.num_free_blocks == 10 and all(b.ref_count == 0 for b in sched.bm.blocks)
+
+
+def test_reserve_ahead_is_all_or_nothing_and_freed_with_the_sequence():
+    """A decode burst's later positions get their blocks before the burst writes them; too few free blocks for
+    every sequence reserves none; the reserved blocks are ordinary table entries (used by later appends, freed on
+    deallocate)."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = seq(7), seq(3)
+    bm.allocate(a), bm.allocate(b)  # 2 + 1 blocks
+    assert bm.reserve_ahead([a, b], 3)  # a: positions up to 9 (3 blocks); b: up to 5 (2 blocks)
+    assert (len(a.block_table), len(b.block_table), bm.num_free_blocks) == (3, 2, 1)
+    assert bm.reserve_ahead([a, b], 3)  # already covered: nothing taken
+    assert bm.num_free_blocks == 1
+    assert not bm.reserve_ahead([a, b], 6)  # needs 1 + 1 > 1 free: none taken
+    assert (len(a.block_table), len(b.block_table), bm.num_free_blocks) == (3, 2, 1)
+    for _ in range(3):
+        a.append(1)
+        assert bm.may_append(a) is None  # lands in a reserved block
+    assert bm.num_free_blocks == 1
+    bm.deallocate(a), bm.deallocate(b)
+    assert bm.num_free_blocks == 6

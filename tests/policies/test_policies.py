@@ -291,3 +291,16 @@ def test_breaker_window_forgets_old_failures():
     for i in range(10):
         br.record(True, 100 + i)
     assert br.state == CLOSED
+
+
+def test_decode_bursts_only_for_a_few_plain_greedy_sequences_with_nobody_waiting():
+    from llmdeploy.policies.decode_burst import MAX_SEQS, burst_steps
+
+    assert burst_steps(4, 1, 0, [100]) == 4
+    assert burst_steps(4, 2, 0, [100, 3]) == 3  # capped by the tokens a sequence may still produce
+    assert burst_steps(4, 1, 0, [0]) == 1
+    assert burst_steps(1, 1, 0, [100]) == 1  # off
+    assert burst_steps(4, 1, 1, [100]) == 1  # a prompt is waiting: it must not wait for a burst
+    assert burst_steps(4, 0, 0, []) == 1  # not all plain greedy (the caller passes 0)
+    assert burst_steps(4, MAX_SEQS, 0, [9] * MAX_SEQS) == 4
+    assert burst_steps(4, MAX_SEQS + 1, 0, [9] * (MAX_SEQS + 1)) == 1

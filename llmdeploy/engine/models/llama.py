@@ -296,6 +296,15 @@ class LlamaForCausalLM(nn.Module):
             self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta
         )
 
+    def decode_greedy(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, steps: int
+    ) -> list[list[int]] | None:
+        """`steps` greedy decode steps in one native call on CPU: [rows][steps] token ids; None where that does not
+        apply (the caller then runs one ordinary step)."""
+        return self.model.native_decode.greedy(
+            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps
+        )
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

@@ -145,6 +145,25 @@ class NativeDecode:
         layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
         return None if layers is None else layers.logits(input_ids, positions, cos_sin, *_paging(meta))
 
+    def greedy(
+        self,
+        model: LlamaModel,
+        head: torch.nn.Module,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+        steps: int,
+    ) -> list[list[int]] | None:
+        """`steps` greedy decode steps from token ids in one native call (DecodeLayers.greedy): [rows][steps] token
+        ids, each what the sampler's greedy path would pick from `logits`' output; None: not run."""
+        layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+        if layers is None:
+            return None
+        return layers.greedy(
+            input_ids, positions, cos_sin, meta.decode_block_tables, meta.decode_context_lens, steps
+        )
+
 
 def _paging(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step's slot mapping, block tables and context lengths, as the kernel takes them."""

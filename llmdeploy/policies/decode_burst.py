@@ -1,0 +1,24 @@
+"""How many decode steps one native call runs: a decode burst (LLMEngine.step, ModelRunner.run_burst).
+
+A burst feeds each greedy token back in C and hands the engine `steps` tokens a sequence at once, so the Python
+around a step (scheduling, inputs, sampling, output bookkeeping: ~0.6 ms of a 6-7 ms batch-1 bf16 step of
+SmolLM2 on 2 Zen 4 cores, all of it running cold after the weight stream) is paid once per burst. The price: a
+prompt that arrives during a burst waits for its end, and an abort or a stop takes effect at its end (the tokens
+past a stop are dropped). So bursts run only where that overhead is a large share of the step (a few sequences)
+and nobody is waiting."""
+
+from __future__ import annotations
+
+MAX_SEQS = (
+    4  # batch 32's overhead is 2-4% of its step (bench/step_overhead.py): bursts would only delay arrivals
+)
+
+
+def burst_steps(configured: int, decodes: int, waiting: int, room: list[int]) -> int:
+    """Steps for this decode-only step's native call: 1 (an ordinary step) unless bursts are on (`configured`,
+    EngineConfig.decode_burst, > 1), there are 1..MAX_SEQS decoding sequences, all of them plain greedy (the
+    caller passes decodes=0 otherwise), and no prompt is waiting; then `configured`, capped by the tokens each
+    sequence may still produce (`room`: max_tokens left, positions left)."""
+    if configured <= 1 or not 0 < decodes <= MAX_SEQS or waiting:
+        return 1
+    return max(1, min(configured, *room))

@@ -1,0 +1,131 @@
+"""Decode bursts (policies/decode_burst.py): a few plain-greedy sequences decode several steps in one native call,
+each token fed back in C. A burst must give exactly the tokens ordinary steps give (fp32: transformers' tokens),
+stop where they stop, leave no block behind, and hand each request one output with all its new tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmdeploy.engine import LLM, SamplingParams
+from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels.decode_step import DecodeLayers
+from tests.helpers.tiny_models import make_tiny_model
+
+PROMPTS = [[3, 17, 42, 9, 88], [5, 6], list(range(10, 40))]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("burst"), "qwen2")
+
+
+@pytest.fixture
+def bursts(monkeypatch):
+    """The steps of each burst that ran (DecodeLayers.greedy answers that were not None)."""
+    ran: list[int] = []
+    real = DecodeLayers.greedy
+
+    def spy(self, *args):
+        out = real(self, *args)
+        if out is not None:
+            ran.append(len(out[0]))
+        return out
+
+    monkeypatch.setattr(DecodeLayers, "greedy", spy)
+    return ran
+
+
+def native_for(dtype: str) -> bool:
+    return cpu_native.library() is not None and (
+        cpu_native.bf16_linear_available() if dtype == "bfloat16" else cpu_native.f32_linear_available()
+    )
+
+
+def engine(folder, dtype: str, burst: int) -> LLM:
+    return LLM(model=str(folder), dtype=dtype, max_model_len=128, kv_cache_gb=0.01, decode_burst=burst)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_burst_gives_the_tokens_of_ordinary_steps(folder, bursts, dtype, batch):
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)  # 1 + 4 + 4 + 2: a short last one
+    plain = [o.outputs[0].token_ids for o in engine(folder, dtype, 1).generate(PROMPTS[:batch], params)]
+    assert not bursts
+    burst = engine(folder, dtype, 4)
+    got = [o.outputs[0].token_ids for o in burst.generate(PROMPTS[:batch], params)]
+    assert got == plain
+    assert (bursts == [4, 4, 2]) == native_for(dtype)
+    bm = burst.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # the reserved blocks went back with the sequences
+
+
+def test_fp32_greedy_through_bursts_is_transformers(folder, bursts):
+    from transformers import AutoModelForCausalLM
+
+    outs = engine(folder, "float32", 4).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        ref = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=14, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+    assert bool(bursts) == native_for("float32")
+
+
+def test_a_stop_inside_a_burst_ends_the_output_there(folder, bursts):
+    """A stop token or stop string met by a burst's second token: the tokens after it are dropped, the finish is
+    an ordinary step's."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = engine(folder, "float32", 1).generate([PROMPTS[0]], free)[0].outputs[0]
+    stop_at = ref.token_ids[2]  # the burst's second token (the first came with the prefill)
+    first = ref.token_ids.index(stop_at)
+    llm = engine(folder, "float32", 4)
+    by_id = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))
+    out = by_id[0].outputs[0]
+    assert out.token_ids == ref.token_ids[: first + 1] and out.finish_reason == "stop"
+    text = llm.tokenizer.decode(ref.token_ids[: first + 1])
+    if text.strip():
+        by_text = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop=[text[-1]]))
+        assert by_text[0].outputs[0].finish_reason == "stop"
+        assert len(by_text[0].outputs[0].token_ids) <= first + 1
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bool(bursts) == native_for("float32")
+
+
+def test_one_output_a_request_a_burst_and_only_for_plain_greedy(folder, bursts):
+    llm = engine(folder, "float32", 4)
+    e = llm.engine
+    e.stream = True
+    e.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    deltas = []
+    while e.has_unfinished():
+        deltas += [len(o.outputs[0].delta_token_ids) for o in e.step()]
+    assert deltas == ([1, 4, 4] if native_for("float32") else [1] * 9)
+    bursts.clear()
+    for params in (
+        SamplingParams(temperature=0.8, max_tokens=6, seed=1),
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=6),
+    ):
+        llm.generate([PROMPTS[0]], params)
+    assert not bursts
+
+
+def test_a_burst_declines_a_table_too_narrow_and_writes_nothing(folder):
+    llm = engine(folder, "float32", 4)
+    if not native_for("float32"):
+        return
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=2))  # builds the native layers
+    layers = llm.engine.runner.model.model.native_decode.layers
+    caches = [c.clone() for layer in layers.layers for c in (layer.k_cache, layer.v_cache)]
+    args = (torch.tensor([5]), torch.tensor([15]), llm.engine.runner.model.cos_sin_cache)
+    one_block = torch.zeros(1, 1, dtype=torch.int32)
+    assert layers.greedy(*args, one_block, torch.tensor([16], dtype=torch.int32), 2) is None  # position 16
+    after = [c for layer in layers.layers for c in (layer.k_cache, layer.v_cache)]
+    assert all(torch.equal(a, b) for a, b in zip(caches, after, strict=True))
+    assert layers.greedy(*args, one_block, torch.tensor([16], dtype=torch.int32), 1) is not None
