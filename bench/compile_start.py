@@ -31,7 +31,7 @@ sys.path.insert(0, {root!r})
 import torch
 from llmdeploy.engine import LLM, SamplingParams
 t0 = time.perf_counter()
-llm = LLM(model={model!r}, dtype={dtype!r}, compile={compile}, max_num_seqs=64)
+llm = LLM(model={model!r}, dtype={dtype!r}, compile={compile}, max_num_seqs=64, decode_burst=1)  # step by step
 start_s = time.perf_counter() - t0
 engine = llm.engine
 engine.stream = True

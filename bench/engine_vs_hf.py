@@ -149,8 +149,10 @@ def engine_run(llm: LLM, prompts: list[list[int]], repeat: int, w: Workload) -> 
 
 
 def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
-    """TTFT of one 128-token prompt on an idle engine, and its decode ms/token (median inter-token gap). Before
-    each run the read bandwidth is sampled again (the floor of that moment: a shared host's moves a lot)."""
+    """TTFT of one 128-token prompt on an idle engine, and its decode ms/token (median inter-token gap; tokens
+    that come out of one step together, a decode burst's, share the time since the previous output, as the
+    server's inter-token metric counts them). Before each run the read bandwidth is sampled again (the floor of
+    that moment: a shared host's moves a lot)."""
     engine, ttft, itl, gbps = llm.engine, [], [], []
     engine.stream = True
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -161,13 +163,16 @@ def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
             gbps.append(ceilings.read_bandwidth_gbps(256, 0.25))
         t0 = time.perf_counter()
         engine.add_request(f"latency-{i}", ids, params)
-        stamps = []
+        stamps = []  # (when an output came, its new tokens)
         while engine.has_unfinished():
-            if engine.step():
-                stamps.append(time.perf_counter())
+            if outs := engine.step():
+                stamps.append(
+                    (time.perf_counter(), sum(len(c.delta_token_ids) for o in outs for c in o.outputs))
+                )
         if i:
-            ttft.append(stamps[0] - t0)
-            itl.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)))
+            ttft.append(stamps[0][0] - t0)
+            gaps = [(b - a) / n for (a, _), (b, n) in zip(stamps, stamps[1:], strict=False) for _ in range(n)]
+            itl.append(statistics.median(gaps))
     engine.stream = False
     return {
         "ttft_128_s": statistics.median(ttft),

@@ -41,11 +41,11 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int)
     ):
         engine.step()
     engine.step()  # the first decode step after prefills
-    times = []
+    times = []  # a step's time over the tokens each sequence got from it (a decode burst's steps at once)
     for _ in range(steps):
-        t = time.perf_counter()
+        t, made = time.perf_counter(), engine.counters["generation"]
         engine.step()
-        times.append(time.perf_counter() - t)
+        times.append((time.perf_counter() - t) * batch / max(1, engine.counters["generation"] - made))
     while engine.has_unfinished():
         engine.step()
     return 1e3 * statistics.median(times)

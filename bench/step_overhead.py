@@ -118,6 +118,7 @@ def main() -> None:
         dtype=args.dtype,
         quantization=args.quantization,
         max_num_seqs=max(64, args.batch),
+        decode_burst=1,  # one step a call, so each is split as above (a burst runs several in C at once)
     )
     torch.manual_seed(0)
     report(measure(llm, args.batch, args.prompt_len, args.steps), args.batch)
