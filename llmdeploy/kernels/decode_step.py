@@ -225,13 +225,20 @@ class DecodeLayers:
         the values of the Python path's `lm_head(hidden).float()`. None (nothing changed) where this model has no
         native head or the kernel does not take these buffers."""
         m = input_ids.numel()
-        if self.head is None or input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
-            return None
+        model = self._whole_model(input_ids)
         args = self._step_args(m, positions, cos_sin, slot_mapping, block_tables, context_lens)
-        if args is None:
+        if model is None or args is None:
             return None
         out = torch.empty(m, self.head.out_features, dtype=torch.float32)
-        rc = cpu_native.library().llmd_decode_logits(
+        rc = cpu_native.library().llmd_decode_logits(*model, out.data_ptr(), *args[:-1])
+        return out if _ran(rc) else None
+
+    def _whole_model(self, input_ids: torch.Tensor) -> tuple | None:
+        """The arguments a call from token ids starts with (llmd_decode_logits, llmd_decode_greedy), or None where
+        this model has no native head or the ids are not a contiguous int64 vector."""
+        if self.head is None or input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
+            return None
+        return (
             int(self.dtype == torch.bfloat16),
             len(self.layers),
             ctypes.addressof(self.structs),
@@ -240,10 +247,7 @@ class DecodeLayers:
             self.embed.shape[0],
             input_ids.data_ptr(),
             ctypes.addressof(self.head_struct),
-            out.data_ptr(),
-            *args[:-1],
         )
-        return out if _ran(rc) else None
 
     def greedy(
         self,
@@ -259,25 +263,12 @@ class DecodeLayers:
         positions + steps - 1. None (nothing written) where `logits` would decline or a position passes the
         tables or the rotary cache."""
         m = input_ids.numel()
-        if self.head is None or input_ids.dtype != torch.int64 or not input_ids.is_contiguous() or steps < 1:
-            return None
+        model = self._whole_model(input_ids)
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
-        if args is None:
+        if model is None or args is None or steps < 1:
             return None
         tokens = (ctypes.c_int64 * (m * steps))()
-        rc = cpu_native.library().llmd_decode_greedy(
-            int(self.dtype == torch.bfloat16),
-            len(self.layers),
-            ctypes.addressof(self.structs),
-            self.final_norm.data_ptr(),
-            self.embed.data_ptr(),
-            self.embed.shape[0],
-            input_ids.data_ptr(),
-            ctypes.addressof(self.head_struct),
-            tokens,
-            steps,
-            *args[:-1],
-        )
+        rc = cpu_native.library().llmd_decode_greedy(*model, tokens, steps, *args[:-1])
         if not _ran(rc):
             return None
         flat = list(tokens)
