@@ -7,6 +7,7 @@ forward, so an abort frees the request's blocks at once.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -60,6 +61,9 @@ class LLMEngine:
         self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
         self.step_shape = (0.0, 0)  # the running step's effective prefill tokens and decodes
         self.step_count = 1  # steps the running native call takes (a decode burst: policies/decode_burst.py)
+        # set when a prompt arrives or a request is aborted: a running burst ends after its current step (the C
+        # loop reads it between steps; cleared under the lock when a burst starts, with nobody waiting)
+        self.burst_yield = ctypes.c_int32(0)
         self.requests: dict[str, Request] = {}
         self.lock = threading.RLock()
         self.stream = True  # build outputs of unfinished requests too (LLM.generate only needs the last one)
@@ -110,11 +114,13 @@ class LLMEngine:
             waited = max(0.0, time.time() - req.metrics.arrival_time)  # its deadline counts from its arrival
             self.scheduler.set_cost(self.cost.current())  # the fit as of now: its deadline is set by it
             self.scheduler.add(seq, arrival=self.scheduler.clock() - waited)
+            self.burst_yield.value = 1
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
             if self._remove(request_id) is None:
                 return False
+            self.burst_yield.value = 1
             self.counters["aborted"] += 1
             return True
 
@@ -170,7 +176,7 @@ class LLMEngine:
             except Exception as exc:
                 return self._step_failed(batch, exc)
         try:
-            burst = self.runner.run_burst(batch, inputs, steps) if steps > 1 else None
+            burst = self.runner.run_burst(batch, inputs, steps, self.burst_yield) if steps > 1 else None
             if burst is None:
                 logits = self.runner.run(batch, inputs=inputs)
                 tokens, logprobs = self.sampler(logits, batch.samples, self.arch.eos_token_ids)
@@ -212,13 +218,17 @@ class LLMEngine:
             for s in seqs
         ]
         steps = burst_steps(self.config.decode_burst, len(seqs), len(self.scheduler.waiting), room)
-        return steps if steps == 1 or self.block_manager.reserve_ahead(seqs, steps - 1) else 1
+        if steps == 1 or not self.block_manager.reserve_ahead(seqs, steps - 1):
+            return 1
+        self.burst_yield.value = 0  # nobody waits now; an arrival from here on ends the burst
+        return steps
 
     def _burst_done(
         self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float
     ) -> list[RequestOutput]:
-        """Under the lock: a burst's tokens, one step at a time as ordinary steps would have taken them (a
-        sequence that stops drops the rest), then one output per request with all its new tokens."""
+        """Under the lock: a burst's tokens (as many steps as it ran), one step at a time as ordinary steps would
+        have taken them (a sequence that stops drops the rest), then one output per request with all its new
+        tokens."""
         steps = len(tokens[0])
         touched: dict[str, Request] = {}
         for j in range(steps):

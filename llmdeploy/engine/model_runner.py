@@ -346,14 +346,16 @@ class ModelRunner:
         """Whether run_burst can run here: the native decode step, on CPU, one rank."""
         return self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_greedy")
 
-    def run_burst(self, batch: ScheduledBatch, inputs: StepInputs, steps: int) -> list[list[int]] | None:
-        """`steps` greedy decode steps of a decode-only batch in one native call (its sequences' blocks reserved
-        for them and `inputs` prepared with `ahead=steps - 1`): [decodes][steps] token ids, or None (nothing run:
-        the caller runs one ordinary step)."""
+    def run_burst(
+        self, batch: ScheduledBatch, inputs: StepInputs, steps: int, yield_flag: ctypes.c_int32 | None = None
+    ) -> list[list[int]] | None:
+        """Up to `steps` greedy decode steps of a decode-only batch in one native call (its sequences' blocks
+        reserved for them and `inputs` prepared with `ahead=steps - 1`; fewer once `yield_flag` is set):
+        [decodes][steps run] token ids, or None (nothing run: the caller runs one ordinary step)."""
         if batch.prefills or batch.blocks_to_copy or not self.bursts:
             return None
         input_ids, positions, meta, _ = inputs
-        tokens = self.model.decode_greedy(input_ids, positions, meta, steps)
+        tokens = self.model.decode_greedy(input_ids, positions, meta, steps, yield_flag)
         if tokens is not None:
             self.prompt_logprobs = {}
         return tokens

@@ -173,9 +173,10 @@ SIGNATURES = {
     # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, logits, then as llmd_decode_layers from M
     "llmd_decode_logits": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, *[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
-    # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, tokens, steps, then as llmd_decode_layers
-    # from M without slots (each step's come from the tables)
-    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, *[c_int64] * 7, c_float]
+    # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, tokens, steps, yield_flag, done, then as
+    # llmd_decode_layers from M without slots (each step's come from the tables)
+    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, c_int64, c_ptr, c_ptr]
+    + [*[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],

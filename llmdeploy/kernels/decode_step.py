@@ -257,22 +257,27 @@ class DecodeLayers:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         steps: int,
+        yield_flag: ctypes.c_int32 | None = None,
     ) -> list[list[int]] | None:
-        """`steps` decode steps from input_ids [M] at positions [M], each row's next input its greedy token (the
-        first index of its largest logit): [M][steps] token ids. The block tables must cover every position up to
-        positions + steps - 1. None (nothing written) where `logits` would decline or a position passes the
-        tables or the rotary cache."""
+        """Up to `steps` decode steps from input_ids [M] at positions [M], each row's next input its greedy token
+        (the first index of its largest logit): [M][steps run] token ids; once `yield_flag` is non-zero the
+        burst ends after the step under way. The block tables must cover every position up to positions + steps
+        - 1. None (nothing written) where `logits` would decline or a position passes the tables or the rotary
+        cache."""
         m = input_ids.numel()
         model = self._whole_model(input_ids)
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
         if model is None or args is None or steps < 1:
             return None
-        tokens = (ctypes.c_int64 * (m * steps))()
-        rc = cpu_native.library().llmd_decode_greedy(*model, tokens, steps, *args[:-1])
+        tokens, done = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0)
+        flag = None if yield_flag is None else ctypes.byref(yield_flag)
+        rc = cpu_native.library().llmd_decode_greedy(
+            *model, tokens, steps, flag, ctypes.byref(done), *args[:-1]
+        )
         if not _ran(rc):
             return None
         flat = list(tokens)
-        return [flat[n * steps : (n + 1) * steps] for n in range(m)]
+        return [flat[n * steps : n * steps + done.value] for n in range(m)]
 
 
 def _ran(rc: int) -> bool:

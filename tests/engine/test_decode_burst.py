@@ -129,3 +129,27 @@ def test_a_burst_declines_a_table_too_narrow_and_writes_nothing(folder):
     after = [c for layer in layers.layers for c in (layer.k_cache, layer.v_cache)]
     assert all(torch.equal(a, b) for a, b in zip(caches, after, strict=True))
     assert layers.greedy(*args, one_block, torch.tensor([16], dtype=torch.int32), 1) is not None
+
+
+def test_an_arrival_or_an_abort_ends_a_burst_after_its_current_step(folder, bursts, monkeypatch):
+    """The engine raises its yield flag when a prompt arrives or a request is aborted; the C loop reads it before
+    each step after the first, so neither waits for the rest of a burst, and the tokens stay the ordinary ones."""
+    free = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    ref = engine(folder, "float32", 1).generate([PROMPTS[0]], free)[0].outputs[0].token_ids
+    llm = engine(folder, "float32", 4)
+    e = llm.engine
+    assert e.burst_yield.value == 0
+    e.add_request("waits", [7, 8, 9], free)
+    assert e.burst_yield.value == 1  # raised by the arrival
+    assert e.abort("waits") and e.burst_yield.value == 1
+    runner, real = e.runner, e.runner.run_burst
+
+    def arrival_during(*args):
+        e.burst_yield.value = 1  # as add_request would from the server's thread while the call runs
+        return real(*args)
+
+    monkeypatch.setattr(runner, "run_burst", arrival_during)
+    got = llm.generate([PROMPTS[0]], free)[0].outputs[0].token_ids
+    assert got == ref
+    if native_for("float32"):
+        assert bursts and all(n == 1 for n in bursts)  # each burst stopped after its first step

@@ -3,6 +3,7 @@ SmolLM2 (Llama with tied embeddings). q/k/v and gate/up are fused into one proje
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -297,12 +298,17 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def decode_greedy(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, steps: int
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        steps: int,
+        yield_flag: ctypes.c_int32 | None = None,
     ) -> list[list[int]] | None:
-        """`steps` greedy decode steps in one native call on CPU: [rows][steps] token ids; None where that does not
-        apply (the caller then runs one ordinary step)."""
+        """Up to `steps` greedy decode steps in one native call on CPU (fewer once `yield_flag` is set): [rows][steps
+        run] token ids; None where that does not apply (the caller then runs one ordinary step)."""
         return self.model.native_decode.greedy(
-            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps
+            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps, yield_flag
         )
 
     def attention_layers(self) -> list[PagedAttention]:

@@ -7,6 +7,7 @@ same buffers in the same order, so the output is the Python layers' (tests/engin
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,14 +155,21 @@ class NativeDecode:
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
         steps: int,
+        yield_flag: ctypes.c_int32 | None = None,
     ) -> list[list[int]] | None:
-        """`steps` greedy decode steps from token ids in one native call (DecodeLayers.greedy): [rows][steps] token
-        ids, each what the sampler's greedy path would pick from `logits`' output; None: not run."""
+        """Up to `steps` greedy decode steps from token ids in one native call (DecodeLayers.greedy): [rows][steps
+        run] token ids, each what the sampler's greedy path would pick from `logits`' output; None: not run."""
         layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
         if layers is None:
             return None
         return layers.greedy(
-            input_ids, positions, cos_sin, meta.decode_block_tables, meta.decode_context_lens, steps
+            input_ids,
+            positions,
+            cos_sin,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            steps,
+            yield_flag,
         )
 
 

@@ -259,16 +259,21 @@ done:
  * sampling, output bookkeeping, all running cold after the 269 MB weight stream evicted its data): 10% of the step
  * and 0.14x of the bandwidth floor. A burst pays it once for `steps` tokens.
  *
+ * yield_flag (may be NULL): read before each step after the first; once it is non-zero the burst ends there (the
+ * engine sets it when a prompt arrives or a request is aborted, so neither waits for the rest of a burst). *done:
+ * the steps run, their tokens in tokens[n * steps + j] for j < *done.
+ *
  * Returns llmd_decode_logits' codes; -1 (nothing written) also where a position would pass max_pos or the
  * table's width, or the head has more rows than the embedding (an argmax could not be fed back). A failure after
  * the first step (out of memory) leaves the earlier steps' K/V written. */
 int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
                        int64_t vocab, const int64_t *ids, const llmd_linear *head, int64_t *tokens, int64_t steps,
-                       int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
+                       const volatile int32_t *yield_flag, int64_t *done, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
                        const int64_t *positions, const float *cos_sin, int64_t max_pos, const int32_t *tables,
                        int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
                        int64_t q_bf16_min_rows, int nthreads) {
-    if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab) return -1;
+    if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done) return -1;
+    *done = 0;
     for (int64_t n = 0; n < M; n++)
         if (positions[n] < 0 || positions[n] + steps > max_pos || (positions[n] + steps - 1) / block_size >= bt_stride)
             return -1;
@@ -281,6 +286,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
     memcpy(cur, ids, sizeof(int64_t) * (size_t)M);
     rc = 0;
     for (int64_t j = 0; j < steps && rc == 0; j++) {
+        if (j > 0 && yield_flag && *yield_flag) break;
         for (int64_t n = 0; n < M; n++) {
             pos[n] = positions[n] + j;
             lens_j[n] = lens[n] + (int32_t)j;
@@ -291,6 +297,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                                 q_bf16_min_rows, nthreads);
         if (!rc) rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
         for (int64_t n = 0; n < M && rc == 0; n++) tokens[n * steps + j] = cur[n] = best[n];
+        if (rc == 0) *done = j + 1;
     }
 done:
     free(cur), free(lens_j), free(logits);
