@@ -60,7 +60,7 @@ class LLMEngine:
         self.capabilities = engine_capabilities(self.tokenizer, self.runner.max_model_len)
         self.step_started: float | None = None  # monotonic start of the step running now (None: idle)
         self.step_shape = (0.0, 0)  # the running step's effective prefill tokens and decodes
-        self.step_count = 1  # steps the running native call takes (a decode burst: policies/decode_burst.py)
+        self.step_count = 1  # steps the running native call may take (policies/decode_burst.py)
         # set when a prompt arrives or a request is aborted: a running burst ends after its current step (the C
         # loop reads it between steps; cleared under the lock when a burst starts, with nobody waiting)
         self.burst_yield = ctypes.c_int32(0)
@@ -365,9 +365,8 @@ class LLMEngine:
         with self.lock:
             cost, in_progress = self.cost.current(), 0.0
             if self.step_started is not None:
-                in_progress = max(
-                    0.0,
-                    cost.step_s(*self.step_shape) * self.step_count
-                    - (time.perf_counter() - self.step_started),
-                )
+                step, elapsed = cost.step_s(*self.step_shape), time.perf_counter() - self.step_started
+                if self.step_count > 1 and step > 0:  # an arrival ends a burst after its step under way
+                    elapsed %= step
+                in_progress = max(0.0, step - elapsed)
             return queue_view(self.scheduler, cost, self.runner.max_model_len, in_progress)

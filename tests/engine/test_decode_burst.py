@@ -153,3 +153,21 @@ def test_an_arrival_or_an_abort_ends_a_burst_after_its_current_step(folder, burs
     assert got == ref
     if native_for("float32"):
         assert bursts and all(n == 1 for n in bursts)  # each burst stopped after its first step
+
+
+def test_the_ttft_model_waits_out_only_the_burst_step_under_way(folder):
+    """While a burst runs, a new prompt would end it after its step under way: the queue view's remaining step
+    time is what is left of that one step, not of the whole burst."""
+    import time
+
+    e = engine(folder, "float32", 4).engine
+    step = e.cost.current().step_s(0.0, 1)
+    with e.lock:
+        e.step_shape, e.step_count = (0.0, 1), 4
+        e.step_started = time.perf_counter() - 1.5 * step  # half-way through the burst's second step
+        burst_left = e.queue_view().step_remaining_s
+        e.step_count = 1
+        e.step_started = time.perf_counter() - 0.5 * step  # half-way through an ordinary step
+        step_left = e.queue_view().step_remaining_s
+        e.step_started = None
+    assert 0 < burst_left <= 0.55 * step and 0.4 * step <= step_left <= 0.55 * step
