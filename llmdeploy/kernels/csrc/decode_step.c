@@ -268,14 +268,15 @@ done:
  * the first step (out of memory) leaves the earlier steps' K/V written. */
 int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
                        int64_t vocab, const int64_t *ids, const llmd_linear *head, int64_t *tokens, int64_t steps,
-                       const volatile int32_t *yield_flag, int64_t *done, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
-                       const int64_t *positions, const float *cos_sin, int64_t max_pos, const int32_t *tables,
-                       int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
-                       int64_t q_bf16_min_rows, int nthreads) {
+                       const volatile int32_t *yield_flag, int64_t *done, int64_t M, int64_t E, int64_t H,
+                       int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_sin,
+                       int64_t max_pos, const int32_t *tables, int64_t bt_stride, const int32_t *lens,
+                       int64_t block_size, float scale, int64_t q_bf16_min_rows, int nthreads) {
     if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done) return -1;
     *done = 0;
     for (int64_t n = 0; n < M; n++)
-        if (positions[n] < 0 || positions[n] + steps > max_pos || (positions[n] + steps - 1) / block_size >= bt_stride)
+        if (positions[n] < 0 || positions[n] + steps > max_pos ||
+            (positions[n] + steps - 1) / block_size >= bt_stride)
             return -1;
     int64_t *cur = malloc(sizeof(int64_t) * (size_t)(4 * M));
     int32_t *lens_j = malloc(sizeof(int32_t) * (size_t)M);
