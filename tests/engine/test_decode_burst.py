@@ -10,6 +10,7 @@ import torch
 from llmdeploy.engine import LLM, SamplingParams
 from llmdeploy.kernels import cpu_native
 from llmdeploy.kernels.decode_step import DecodeLayers
+from tests.engine.test_models import hf_greedy, hf_model
 from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = [[3, 17, 42, 9, 88], [5, 6], list(range(10, 40))]
@@ -61,17 +62,11 @@ def test_a_burst_gives_the_tokens_of_ordinary_steps(folder, bursts, dtype, batch
 
 
 def test_fp32_greedy_through_bursts_is_transformers(folder, bursts):
-    from transformers import AutoModelForCausalLM
-
     outs = engine(folder, "float32", 4).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     )
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    for ids, out in zip(PROMPTS, outs, strict=True):
-        mask = torch.ones(1, len(ids), dtype=torch.long)
-        ref = hf.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=14, do_sample=False)
-        assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+    hf = hf_model(folder)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, ids, 14) for ids in PROMPTS]
     assert bool(bursts) == native_for("float32")
 
 
