@@ -34,9 +34,8 @@ class EngineConfig:
     # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
     ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
     tensor_parallel: int = 1  # parallel.tensor_parallel: ranks of this engine (engine/parallel/)
-    decode_burst: int = (
-        4  # greedy decode steps one native call may run on CPU (policies/decode_burst.py); 1 = off
-    )
+    # greedy decode steps one native call may run on CPU (policies/decode_burst.py); 1 = off
+    decode_burst: int = 4
 
     def __post_init__(self) -> None:
         # same rules as the YAML, so a config built in code fails the same way a spec would

@@ -10,9 +10,9 @@ instead of 4 measured even (bf16 batch 1, 10 alternating rounds, Zen 4)."""
 
 from __future__ import annotations
 
-MAX_SEQS = (
-    4  # batch 32's overhead is 2-4% of its step (bench/step_overhead.py): bursts would only delay arrivals
-)
+# past a few sequences the Python is a small share of a step (batch 32: 2-4%, bench/step_overhead.py), not worth
+# the blocks a burst reserves ahead for every sequence
+MAX_SEQS = 4
 
 
 def burst_steps(configured: int, decodes: int, waiting: int, room: list[int]) -> int:
