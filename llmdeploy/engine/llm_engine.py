@@ -31,7 +31,7 @@ from llmdeploy.engine.sampling_params import SamplingParams
 from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.engine.ttft_model import QueueView
-from llmdeploy.policies.decode_burst import burst_steps
+from llmdeploy.policies.decode_burst import burst_allowed, burst_steps
 from llmdeploy.policies.step_cost import chunk_cost
 
 log = logging.getLogger("llmdeploy.engine")
@@ -200,7 +200,8 @@ class LLMEngine:
         step); for a burst, the blocks of its later positions are reserved here."""
         seqs = batch.decodes
         plain = (
-            self.runner.bursts
+            burst_allowed(self.config.decode_burst, len(seqs), len(self.scheduler.waiting))
+            and self.runner.bursts
             and not batch.prefills
             and not batch.forks
             and not batch.blocks_to_copy
@@ -217,7 +218,7 @@ class LLMEngine:
             )
             for s in seqs
         ]
-        steps = burst_steps(self.config.decode_burst, len(seqs), len(self.scheduler.waiting), room)
+        steps = burst_steps(self.config.decode_burst, room)
         if steps == 1 or not self.block_manager.reserve_ahead(seqs, steps - 1):
             return 1
         self.burst_yield.value = 0  # nobody waits now; an arrival from here on ends the burst

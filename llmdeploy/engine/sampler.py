@@ -18,16 +18,16 @@ from llmdeploy.engine.sequence import Sequence
 from llmdeploy.kernels import cpu_native
 
 
+def min_tokens_active(seq: Sequence) -> bool:
+    """Whether the sequence is still short of min_tokens (its stop tokens are masked)."""
+    return seq.num_output_tokens < seq.params.min_tokens
+
+
 def plain_greedy(seq: Sequence) -> bool:
     """Whether this sequence's next token is its logits' argmax as they come: greedy, no penalties, min_tokens
     reached, no grammar or logit_bias (logprobs aside: they read the logits, they do not change the pick)."""
     p = seq.params
-    return (
-        p.greedy
-        and not p.has_penalties
-        and seq.num_output_tokens >= p.min_tokens
-        and not needs_logit_rules(seq)
-    )
+    return p.greedy and not p.has_penalties and not min_tokens_active(seq) and not needs_logit_rules(seq)
 
 
 class Sampler:
@@ -66,10 +66,6 @@ class Sampler:
         return token_list, self._logprobs(raw, seqs, token_list) if want_logprobs else [None] * len(seqs)
 
     @staticmethod
-    def _min_tokens_active(seq: Sequence) -> bool:
-        return seq.num_output_tokens < seq.params.min_tokens
-
-    @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):
             p = seq.params
@@ -93,7 +89,7 @@ class Sampler:
     def _mask_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
         vocab = logits.shape[1]
         for i, seq in enumerate(seqs):
-            if self._min_tokens_active(seq):
+            if min_tokens_active(seq):
                 ids = [t for t in [*eos_token_ids, *seq.params.stop_token_ids] if 0 <= t < vocab]
                 if ids:
                     logits[i, ids] = float("-inf")

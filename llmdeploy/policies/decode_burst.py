@@ -15,11 +15,13 @@ from __future__ import annotations
 MAX_SEQS = 4
 
 
-def burst_steps(configured: int, decodes: int, waiting: int, room: list[int]) -> int:
-    """Steps for this decode-only step's native call: 1 (an ordinary step) unless bursts are on (`configured`,
-    EngineConfig.decode_burst, > 1), there are 1..MAX_SEQS decoding sequences, all of them plain greedy (the
-    caller passes decodes=0 otherwise), and no prompt is waiting; then `configured`, capped by the tokens each
-    sequence may still produce (`room`: max_tokens left, positions left)."""
-    if configured <= 1 or not 0 < decodes <= MAX_SEQS or waiting:
-        return 1
+def burst_allowed(configured: int, decodes: int, waiting: int) -> bool:
+    """Whether this decode-only step may burst at all (checked first: it costs nothing): bursts on
+    (`configured`, EngineConfig.decode_burst, > 1), 1..MAX_SEQS decoding sequences, no prompt waiting."""
+    return configured > 1 and 0 < decodes <= MAX_SEQS and not waiting
+
+
+def burst_steps(configured: int, room: list[int]) -> int:
+    """Steps for an allowed burst whose sequences are all plain greedy: `configured`, capped by the tokens each
+    sequence may still produce (`room`: max_tokens left, positions left); 1 is an ordinary step."""
     return max(1, min(configured, *room))

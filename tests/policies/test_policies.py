@@ -294,13 +294,13 @@ def test_breaker_window_forgets_old_failures():
 
 
 def test_decode_bursts_only_for_a_few_plain_greedy_sequences_with_nobody_waiting():
-    from llmdeploy.policies.decode_burst import MAX_SEQS, burst_steps
+    from llmdeploy.policies.decode_burst import MAX_SEQS, burst_allowed, burst_steps
 
-    assert burst_steps(4, 1, 0, [100]) == 4
-    assert burst_steps(4, 2, 0, [100, 3]) == 3  # capped by the tokens a sequence may still produce
-    assert burst_steps(4, 1, 0, [0]) == 1
-    assert burst_steps(1, 1, 0, [100]) == 1  # off
-    assert burst_steps(4, 1, 1, [100]) == 1  # a prompt is waiting: it must not wait for a burst
-    assert burst_steps(4, 0, 0, []) == 1  # not all plain greedy (the caller passes 0)
-    assert burst_steps(4, MAX_SEQS, 0, [9] * MAX_SEQS) == 4
-    assert burst_steps(4, MAX_SEQS + 1, 0, [9] * (MAX_SEQS + 1)) == 1
+    assert burst_allowed(4, 1, 0) and burst_steps(4, [100]) == 4
+    assert burst_steps(4, [100, 3]) == 3  # capped by the tokens a sequence may still produce
+    assert burst_steps(4, [0]) == 1
+    assert not burst_allowed(1, 1, 0)  # off
+    assert not burst_allowed(4, 1, 1)  # a prompt is waiting: it must not wait for a burst
+    assert not burst_allowed(4, 0, 0)  # nothing decoding
+    assert burst_allowed(4, MAX_SEQS, 0) and burst_steps(4, [9] * MAX_SEQS) == 4
+    assert not burst_allowed(4, MAX_SEQS + 1, 0)

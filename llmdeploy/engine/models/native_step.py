@@ -132,6 +132,12 @@ class NativeDecode:
         layers = self._ready(model, hidden.dtype, None, meta, hidden.shape[0])
         return layers is not None and layers.run(hidden, residual, positions, cos_sin, *_paging(meta))
 
+    def _from_ids(
+        self, model: LlamaModel, head: torch.nn.Module, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> DecodeLayers | None:
+        """The layers for a step from token ids (the embedding's dtype), or None where the native step declines."""
+        return self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+
     def logits(
         self,
         model: LlamaModel,
@@ -143,7 +149,7 @@ class NativeDecode:
     ) -> torch.Tensor | None:
         """A decode-only step from token ids to the float32 logits of every row (embedding, layers, final norm and
         `head` in one native call), as `head(model(...)).float()` gives them; None: not run, nothing changed."""
-        layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+        layers = self._from_ids(model, head, input_ids, meta)
         return None if layers is None else layers.logits(input_ids, positions, cos_sin, *_paging(meta))
 
     def greedy(
@@ -159,7 +165,7 @@ class NativeDecode:
     ) -> list[list[int]] | None:
         """Up to `steps` greedy decode steps from token ids in one native call (DecodeLayers.greedy): [rows][steps
         run] token ids, each what the sampler's greedy path would pick from `logits`' output; None: not run."""
-        layers = self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+        layers = self._from_ids(model, head, input_ids, meta)
         if layers is None:
             return None
         return layers.greedy(
