@@ -5,9 +5,9 @@
 
 32 requests of 128 prompt tokens decode together (greedy, EOS ignored). Each timed step of LLMEngine.step() is split
 into: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: input ids, positions, slot mapping, block
-tables), forward (the model and its logits), sample (Sampler) and the rest (post-processing: appending tokens,
-stop checks, detokenization, outputs, metrics). Overhead = step - forward. Medians over --steps steps; on a
-shared machine read the medians, not the means.
+tables), forward (the model and its logits, or the native call from token ids to logits that replaces both on CPU),
+sample (Sampler) and the rest (post-processing: appending tokens, stop checks, detokenization, outputs, metrics).
+Overhead = step - forward. Medians over --steps steps; on a shared machine read the medians, not the means.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ def instrument(llm: LLM) -> Timings:
     engine.scheduler.schedule = t.wrap("schedule", engine.scheduler.schedule)
     runner.prepare = t.wrap("prepare", runner.prepare)
     model = runner.model
-    model.forward = t.wrap("forward", model.forward)
-    model.compute_logits = t.wrap("forward", model.compute_logits)
+    # the Python model's forward and head, and the native calls that replace both on CPU (one call from token ids
+    # to logits, or a burst of greedy steps): each is the forward
+    for name in ("forward", "compute_logits", "decode_logits", "decode_greedy"):
+        if hasattr(model, name):
+            setattr(model, name, t.wrap("forward", getattr(model, name)))
     engine.sampler = t.wrap("sample", engine.sampler)
     return t
 
