@@ -327,10 +327,20 @@ class Workload:
     output_len: int = 128
 
 
+def compute_dtype(c: Ceilings, dtype: str) -> str:
+    """The dtype whose GEMM rates bound `dtype`'s products. int8 weights keep float32 activations, but from
+    cpu_native.Q_BF16_MIN_ROWS rows (a batch-32 step, a prefill) the engine multiplies them as bf16 tiles where
+    the CPU has AVX-512 BF16: there the bf16 ceiling is theirs. (Against float32's, W int8 read 110% of its
+    ceiling on Zen 4, 2026-12-07.)"""
+    if dtype == "int8":
+        return "bfloat16" if "avx512_bf16" in c.cpu.flags and "bfloat16" in c.dtypes else "float32"
+    return dtype if dtype in c.dtypes else "float32"
+
+
 def floors(shape: ModelShape, c: Ceilings, dtype: str, w: Workload = Workload()) -> dict[str, float]:
     """The floors/ceilings an engine figure at `dtype` is compared with. Weights read at `dtype` (int8 counts
-    as its own dtype for bytes; its compute runs at float32 rates)."""
-    compute = c.dtypes.get(dtype) or c.dtypes["float32"]
+    as its own dtype for bytes); products at compute_dtype's rates."""
+    compute = c.dtypes[compute_dtype(c, dtype)]
     prefill, decode = shape.workload_flops(w.num_requests, w.prompt_len, w.output_len)
     out_tokens = w.num_requests * w.output_len
     by_shape = prefill / (compute.shape_gflops[2048] * 1e9) + decode / (compute.shape_gflops[32] * 1e9)

@@ -9,7 +9,16 @@ import shutil
 import pytest
 import torch
 
-from bench.ceilings import Ceilings, CpuInfo, DtypeCeiling, Workload, floors, read_probe, smollm2_shape
+from bench.ceilings import (
+    Ceilings,
+    CpuInfo,
+    DtypeCeiling,
+    Workload,
+    compute_dtype,
+    floors,
+    read_probe,
+    smollm2_shape,
+)
 
 SHAPE = smollm2_shape()
 W = Workload()
@@ -46,6 +55,20 @@ def test_roofline_counts_weight_and_kv_bytes_when_decode_is_bandwidth_bound():
     expected_s = prefill / (peak * 1e9) + sum(step_bytes) / (gbps * 1e9)
     assert f["w_tok_s_roofline"] == pytest.approx(W.num_requests * W.output_len / expected_s, rel=1e-9)
     assert f["w_tok_s_roofline"] < 0.5 * f["w_tok_s_ceiling"]  # the compute ceiling alone overstates it here
+
+
+@pytest.mark.parametrize("flags,expected", [(("avx512_bf16",), "bfloat16"), (("avx2",), "float32")])
+def test_int8_products_are_bounded_by_the_dtype_they_run_in(flags, expected):
+    """int8 weights run their many-row products as bf16 tiles where the CPU has AVX-512 BF16, float32 elsewhere;
+    their bytes stay int8's."""
+    rates = {"float32": 200.0, "bfloat16": 400.0}
+    dtypes = {d: DtypeCeiling(d, g, {"test": g}, {1: 10.0, 32: g, 2048: g}) for d, g in rates.items()}
+    c = Ceilings(CpuInfo("test CPU", flags, "DEFAULT", 2, (0.0, 0.0, 0.0)), 30.0, dtypes)
+    assert compute_dtype(c, "int8") == expected
+    assert floors(SHAPE, c, "int8")["w_tok_s_ceiling"] == pytest.approx(
+        floors(SHAPE, c, expected)["w_tok_s_ceiling"]
+    )
+    assert floors(SHAPE, c, "int8")["decode_b1_floor_ms"] < floors(SHAPE, c, "bfloat16")["decode_b1_floor_ms"]
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="the probe is compiled with gcc")
