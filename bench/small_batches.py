@@ -28,11 +28,13 @@ from llmdeploy.kernels import cpu_native  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int) -> float:
-    """Median ms of `steps` decode-only steps of `batch` fresh requests (new prompts: no prefix-cache help)."""
+def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int) -> tuple[float, float]:
+    """Median ms of `steps` decode-only steps of `batch` fresh requests (new prompts: no prefix-cache help), each
+    over the tokens a sequence got from it (a decode burst makes several), and the mean context they ran at."""
     engine = llm.engine
     vocab = engine.arch.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    # room for every step to be a whole burst, so no timed step finds its requests done
+    params = SamplingParams(temperature=0, max_tokens=steps * engine.config.decode_burst + 4, ignore_eos=True)
     for i in range(batch):
         ids = [(salt * 7919 + 7 * i + 13 * j) % (vocab - 10) + 5 for j in range(prompt_len)]
         engine.add_request(f"b{batch}-{salt}-{i}", ids, params)
@@ -41,14 +43,18 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int)
     ):
         engine.step()
     engine.step()  # the first decode step after prefills
-    times = []  # a step's time over the tokens each sequence got from it (a decode burst's steps at once)
+    times, contexts = [], []
     for _ in range(steps):
+        contexts.extend(len(s) for s in engine.scheduler.running)
         t, made = time.perf_counter(), engine.counters["generation"]
         engine.step()
-        times.append((time.perf_counter() - t) * batch / max(1, engine.counters["generation"] - made))
+        made = engine.counters["generation"] - made
+        assert made > 0, "a timed step made no token"
+        times.append((time.perf_counter() - t) * batch / made)
+    contexts.extend(len(s) for s in engine.scheduler.running)
     while engine.has_unfinished():
         engine.step()
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), statistics.mean(contexts)
 
 
 def floor_ms(shape: ceilings.ModelShape, c: ceilings.Ceilings, dtype: str, batch: int, context: int) -> float:
@@ -81,19 +87,21 @@ def main() -> None:
     print(
         f"{'batch':>5} {'side by side':>13} {'one tile':>9} {'ratio':>6} {'floor':>6} {'x floor':>8} {'tok/s':>7}"
     )
-    context = args.prompt_len + args.steps // 2
     salt = 0
     for batch in [int(b) for b in args.batches.split(",")]:
-        side, one = [], []
+        side, one, contexts = [], [], []
         for _ in range(args.passes):
             for rows, out in ((side_default, side), (0, one)):
                 if lib is not None:
                     lib.llmd_side_rows_configure(rows)
                 salt += 1
-                out.append(decode_step_ms(llm, batch, args.prompt_len, args.steps, salt))
+                ms, context = decode_step_ms(llm, batch, args.prompt_len, args.steps, salt)
+                out.append(ms)
+                contexts.append(context)
         if lib is not None:
             lib.llmd_side_rows_configure(side_default)
-        s, o, f = min(side), min(one), floor_ms(shape, c, dtype, batch, context)
+        s, o = min(side), min(one)
+        f = floor_ms(shape, c, dtype, batch, round(statistics.mean(contexts)))
         print(
             f"{batch:5d} {s:13.2f} {o:9.2f} {s / o:6.2f} {f:6.2f} {s / f:8.2f} {1e3 * batch / s:7.0f}",
             flush=True,

@@ -1,11 +1,13 @@
-"""bench/step_overhead.py splits a decode step into its parts: the forward must be found on every path a step takes
-(the Python model and head, or the native call from token ids to logits that replaces both on CPU), or the
-overhead it reports is the whole step."""
+"""The benchmarks that time engine decode steps time real work on every path a step takes: bench/step_overhead.py
+finds the forward (the Python model and head, or the native call from token ids to logits that replaces both on
+CPU; else the overhead it reports is the whole step), and bench/small_batches.py times steps that still have
+tokens to make when a decode burst makes several a step (else its small batches read 0.01 ms)."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.small_batches import decode_step_ms
 from bench.step_overhead import measure
 from llmdeploy.engine import LLM
 from tests.helpers.tiny_models import make_tiny_model
@@ -29,3 +31,13 @@ def test_the_forward_is_timed_on_every_decode_path(folder, monkeypatch, native, 
         assert 0 < row["forward"] < row["step"]
         assert row["rest"] >= 0
         assert row["schedule"] > 0 and row["prepare"] > 0 and row["sample"] > 0
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_batch_steps_all_make_tokens(folder, batch, burst):
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, kv_cache_gb=0.01, decode_burst=burst)
+    ms, context = decode_step_ms(llm, batch, prompt_len=12, steps=6, salt=1)  # asserts each step made a token
+    assert ms > 0
+    assert 12 < context < 12 + 6 * burst + 2
+    assert not llm.engine.has_unfinished()
