@@ -33,8 +33,10 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int)
     over the tokens a sequence got from it (a decode burst makes several), and the mean context they ran at."""
     engine = llm.engine
     vocab = engine.arch.vocab_size
-    # room for every step to be a whole burst, so no timed step finds its requests done
-    params = SamplingParams(temperature=0, max_tokens=steps * engine.config.decode_burst + 4, ignore_eos=True)
+    # room for the prefill's token and a whole burst every decode step, so no timed step finds its requests done
+    params = SamplingParams(
+        temperature=0, max_tokens=(steps + 1) * engine.config.decode_burst + 2, ignore_eos=True
+    )
     for i in range(batch):
         ids = [(salt * 7919 + 7 * i + 13 * j) % (vocab - 10) + 5 for j in range(prompt_len)]
         engine.add_request(f"b{batch}-{salt}-{i}", ids, params)
