@@ -49,3 +49,15 @@ def test_script_prints_each_case(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("float32")]
     assert len(rows) == 6  # two cases in three modes
     assert "behind a weight stream" in proc.stdout and "cold" in proc.stdout and "L3-resident" in proc.stdout
+
+
+def test_every_mode_times_calls_back_to_back():
+    """The L3-resident mode calls one layer's cache as many times as the others call their layers (a lone call
+    a run also timed the threads' wake-up)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.decode_attention import Case
+
+    reused, distinct = Case(torch.float32, 1, 20, 3, distinct=False), Case(torch.float32, 1, 20, 3)
+    assert len(reused.caches) == len(distinct.caches) == 3
+    assert all(pair is reused.caches[0] for pair in reused.caches)
+    assert len({id(k) for k, _ in distinct.caches}) == 3
