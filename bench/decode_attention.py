@@ -72,8 +72,8 @@ class Case:
         per = -(-context // BLOCK)
         blocks = batch * per + 1
         shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
-        one = lambda: (cache(shape, dtype), cache(shape, dtype))  # noqa: E731
-        self.caches = [one() for _ in range(layers)] if distinct else [one()] * layers
+        pairs = [(cache(shape, dtype), cache(shape, dtype)) for _ in range(layers if distinct else 1)]
+        self.caches = pairs if distinct else pairs * layers
         self.tables = (
             (torch.randperm(blocks - 1)[: batch * per].view(batch, per) + 1).to(torch.int32).contiguous()
         )

@@ -9,7 +9,7 @@ import pytest
 
 from bench.small_batches import decode_step_ms
 from bench.step_overhead import measure
-from llmdeploy.engine import LLM
+from tests.engine.test_decode_burst import engine
 from tests.helpers.tiny_models import make_tiny_model
 
 
@@ -21,7 +21,7 @@ def folder(tmp_path_factory):
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_forward_is_timed_on_every_decode_path(folder, monkeypatch, native, dtype):
-    llm = LLM(model=str(folder), dtype=dtype, max_model_len=128, kv_cache_gb=0.01, decode_burst=1)
+    llm = engine(folder, dtype, burst=1)
     model = llm.engine.runner.model
     if not native:  # as where the native library is not built: the Python model and head run
         monkeypatch.setattr(model, "decode_logits", lambda *args: None, raising=False)
@@ -36,7 +36,7 @@ def test_the_forward_is_timed_on_every_decode_path(folder, monkeypatch, native, 
 @pytest.mark.parametrize("burst", [1, 4])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_small_batch_steps_all_make_tokens(folder, batch, burst):
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, kv_cache_gb=0.01, decode_burst=burst)
+    llm = engine(folder, "float32", burst)
     ms, context = decode_step_ms(llm, batch, prompt_len=12, steps=6, salt=1)  # asserts each step made a token
     assert ms > 0
     assert 12 < context < 12 + 6 * burst + 2
