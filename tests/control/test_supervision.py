@@ -95,12 +95,30 @@ def test_apply_with_two_replicas_and_the_cloud(rig):
     ]
 
 
+def running_on(url: str) -> int:
+    try:
+        return int(httpx.get(f"{url}/load", timeout=2).json().get("running", 0))
+    except (httpx.HTTPError, ValueError):
+        return 0
+
+
+def failovers_from_local(router_url: str) -> float:
+    text = httpx.get(f"{router_url}/metrics", headers=HEADERS, timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmdeploy_router_failovers_total{") and 'from_backend="local"' in line
+    )
+
+
 def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
     st = rig["cli"].status(NAME)
     victim = next(r for r in st["replicas"] if r["replica"] == "r1")
     codes: list[int] = []
     backends: list[str] = []
+    long_codes: list[int] = []
     stop = threading.Event()
+    failovers_before = failovers_from_local(rig["url"])
 
     def traffic() -> None:
         while not stop.is_set():
@@ -108,10 +126,18 @@ def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
                 codes.append(r.status_code)
                 backends.append(r.headers.get("x-llmdeploy-backend", "?"))
 
-    t = threading.Thread(target=traffic)
-    t.start()
+    def long_requests() -> None:  # whole answers (not streams): the router may still move them elsewhere
+        body = {"model": ALIAS, "prompt": "hi", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        while not stop.is_set():
+            r = httpx.post(f"{rig['url']}/v1/completions", json=body, headers=HEADERS, timeout=120)
+            long_codes.append(r.status_code)
+
+    threads = [threading.Thread(target=traffic), *(threading.Thread(target=long_requests) for _ in range(4))]
+    for t in threads:
+        t.start()
     try:
-        time.sleep(0.5)
+        # the kill lands while the victim decodes: a crash between requests would prove nothing about them
+        wait_for(lambda: running_on(victim["url"]) >= 2, 60, 0.002, "the victim to run two requests")
         os.kill(victim["pid"], signal.SIGKILL)
 
         def restarted():
@@ -122,12 +148,18 @@ def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
         time.sleep(0.5)
     finally:
         stop.set()
-        t.join(60)
+        for t in threads:
+            t.join(120)
     assert codes and set(codes) == {200}, sorted(set(codes))
+    assert long_codes and set(long_codes) == {200}, sorted(set(long_codes))
+    # the requests the kill cut were answered by another backend, before the client saw anything
+    assert failovers_from_local(rig["url"]) > failovers_before
     kinds = [(e["kind"], e["revision"]) for e in rig["cli"].status(NAME)["events"]]
     assert ("engine-crash", 1) in kinds and ("engine-restart", 1) in kinds
     assert not pid_alive(victim["pid"])
-    print(f"{len(codes)} requests during the crash; backends: {sorted(set(backends))}")
+    print(
+        f"{len(codes)} short and {len(long_codes)} long requests during the crash; backends: {sorted(set(backends))}"
+    )
 
 
 def test_a_candidate_that_cannot_start_fails_and_stable_keeps_serving(rig):
