@@ -364,9 +364,9 @@ def floors(shape: ModelShape, c: Ceilings, dtype: str, w: Workload = Workload())
 def shares(
     shape: ModelShape, c: Ceilings, dtype: str, w_tok_s=None, b1_ms=None, ttft_s=None, b1_runs=()
 ) -> list[str]:
-    """Each measured engine figure next to its ceiling, as lines to print. b1_runs: (ms/token, read GB/s sampled
-    just before that run) per batch-1 run: a shared host's bandwidth moved between 26 and 65 GB/s within an hour
-    (2026-12-04), so each run is also put against the floor of its own moment."""
+    """Each measured engine figure next to its ceiling, as lines to print. b1_runs: B1Run per batch-1 run: a shared
+    host's bandwidth moved between 26 and 65 GB/s within an hour (2026-12-04), so each run is also put against the
+    floor of its own moment."""
     f = floors(shape, c, dtype)
     lines = []
     if w_tok_s:
@@ -384,18 +384,46 @@ def shares(
             f"weights at {c.read_gbps:.1f} GB/s)"
         )
     if b1_runs:
-        ratios = [ms / (shape.weight_bytes(dtype) / (gbps * 1e9) * 1e3) for ms, gbps in b1_runs]
-        each = ", ".join(f"{ms:.1f} ms at {gbps:.0f} GB/s" for ms, gbps in b1_runs)
-        lines.append(
-            f"batch-1 decode {dtype}: median {statistics.median(ratios):.2f}x the floor at the bandwidth sampled "
-            f"just before each run ({each})"
-        )
+        lines.append(f"batch-1 decode {dtype}: {b1_runs_line(shape.weight_bytes(dtype), b1_runs)}")
     if ttft_s:
         lines.append(
             f"TTFT {dtype} (128-token prompt): {ttft_s * 1e3:.0f} ms = {ttft_s / f['ttft_floor_s']:.2f}x the "
             f"prefill compute floor {f['ttft_floor_s'] * 1e3:.0f} ms"
         )
     return lines
+
+
+BAND_HELD = 0.10  # probes around a run further apart than this: the host's bandwidth switched during it
+
+
+@dataclass(frozen=True)
+class B1Run:
+    """One batch-1 run: its ms/token and the read bandwidth probed just before and just after it."""
+
+    ms: float
+    gbps_before: float
+    gbps_after: float
+
+    @property
+    def band_held(self) -> bool:
+        lo, hi = sorted((self.gbps_before, self.gbps_after))
+        return hi - lo <= BAND_HELD * hi
+
+    def floor_ratio(self, weight_bytes: int) -> float:
+        """ms/token over the floor at the mean of the two probes (the bandwidth the run most likely had; the
+        probe before alone put runs that met a switch into the wrong band: 2026-12-07)."""
+        gbps = (self.gbps_before + self.gbps_after) / 2
+        return self.ms / (weight_bytes / (gbps * 1e9) * 1e3)
+
+
+def b1_runs_line(weight_bytes: int, runs: list[B1Run]) -> str:
+    held = [r.floor_ratio(weight_bytes) for r in runs if r.band_held]
+    each = ", ".join(f"{r.ms:.1f} ms at {r.gbps_before:.0f}->{r.gbps_after:.0f} GB/s" for r in runs)
+    steady = f"{len(held)} whose band held: median {statistics.median(held):.2f}x" if held else "no band held"
+    return (
+        f"median {statistics.median(r.floor_ratio(weight_bytes) for r in runs):.2f}x the floor at the bandwidth "
+        f"probed around each run ({len(runs)} runs; {steady}): {each}"
+    )
 
 
 def report(shape: ModelShape, c: Ceilings) -> list[str]:

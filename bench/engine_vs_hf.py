@@ -151,8 +151,8 @@ def engine_run(llm: LLM, prompts: list[list[int]], repeat: int, w: Workload) -> 
 def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
     """TTFT of one 128-token prompt on an idle engine, and its decode ms/token (median inter-token gap; tokens
     that come out of one step together, a decode burst's, share the time since the previous output, as the
-    server's inter-token metric counts them). Before each run the read bandwidth is sampled again (the floor of
-    that moment: a shared host's moves a lot)."""
+    server's inter-token metric counts them). Before each run and after the last the read bandwidth is sampled
+    again (the floor of that moment: a shared host's moves a lot)."""
     engine, ttft, itl, gbps = llm.engine, [], [], []
     engine.stream = True
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -173,12 +173,13 @@ def engine_latency(llm: LLM, prompt: list[int], reps: int) -> dict:
             ttft.append(stamps[0][0] - t0)
             gaps = [(b - a) / n for (a, _), (b, n) in zip(stamps, stamps[1:], strict=False) for _ in range(n)]
             itl.append(statistics.median(gaps))
+    gbps.append(ceilings.read_bandwidth_gbps(256, 0.25))
     engine.stream = False
     return {
         "ttft_128_s": statistics.median(ttft),
         "decode_ms_per_token_b1": 1000 * statistics.median(itl),
         "decode_ms_b1_runs": [1000 * x for x in itl],
-        "read_gbps_b1_runs": gbps,  # sampled just before each run
+        "read_gbps_b1_runs": gbps,  # sampled before each run and after the last
     }
 
 
@@ -333,6 +334,11 @@ def print_ratios(res: dict, dtypes: list[str], variants, workloads, auto: str) -
         print(f"{k}: {val:.2f}x")
 
 
+def b1_runs(latency: dict) -> list[ceilings.B1Run]:
+    ms, gbps = latency.get("decode_ms_b1_runs", []), latency.get("read_gbps_b1_runs", [])
+    return [ceilings.B1Run(m, a, b) for m, a, b in zip(ms, gbps, gbps[1:], strict=False)]
+
+
 def print_shares(res: dict, shape, ceil, variants) -> None:
     """Each engine figure as a share of the ceiling measured at the start of this run."""
     print("engine figures against this machine's ceilings (measured at the start of the run):")
@@ -345,9 +351,7 @@ def print_shares(res: dict, shape, ceil, variants) -> None:
             w_tok_s=res.get(f"c_engine_{v.label}", {}).get("tok_s"),
             b1_ms=lat.get("decode_ms_per_token_b1"),
             ttft_s=lat.get("ttft_128_s"),
-            b1_runs=list(
-                zip(lat.get("decode_ms_b1_runs", []), lat.get("read_gbps_b1_runs", []), strict=True)
-            ),
+            b1_runs=b1_runs(lat),
         )
         for line in lines:
             print(f"  [{v.label}] {line}")

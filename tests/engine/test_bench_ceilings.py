@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from bench.ceilings import (
+    B1Run,
     Ceilings,
     CpuInfo,
     DtypeCeiling,
     Workload,
+    b1_runs_line,
     compute_dtype,
     floors,
     read_probe,
@@ -82,3 +84,18 @@ def test_read_probe_reads_every_element_once_a_pass(streams, threads):
     gbps = probe.llmd_read_probe(buf.data_ptr(), n, streams, threads, reps, ctypes.byref(sink))
     assert sink.value == reps * n  # sums of ones: exact in float32 at this size
     assert 0 < gbps < 1e4
+
+
+def test_batch_1_runs_are_put_against_the_bandwidth_around_them():
+    """A run whose probes disagree met a switch of the host's bandwidth: it is counted, at the mean of the two
+    probes, but not among the runs whose band held."""
+    weight_bytes = 270_000_000  # 10 ms at 27 GB/s
+    steady = B1Run(12.0, 27.0, 27.0)
+    switched = B1Run(12.0, 54.0, 27.0)  # fast before, slow after: "2.4x" by the first probe alone
+    assert steady.band_held and not switched.band_held
+    assert steady.floor_ratio(weight_bytes) == pytest.approx(1.2)
+    assert switched.floor_ratio(weight_bytes) == pytest.approx(12.0 / (weight_bytes / 40.5e9 * 1e3))
+    line = b1_runs_line(weight_bytes, [steady, switched, B1Run(13.0, 26.0, 27.5)])
+    assert "3 runs; 2 whose band held: median 1.24x" in line
+    assert "12.0 ms at 54->27 GB/s" in line
+    assert "no band held" in b1_runs_line(weight_bytes, [switched])
