@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmdeploy.engine.cpu_dtype import cpu_flags
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_build
+from llmdeploy.kernels.cpu_flags import cpu_flags
 
 # CPU features that decide which kernels exist (bf16/int8 matmul units, vector width)
 RELEVANT_FLAGS = (
@@ -230,7 +230,7 @@ PROBE_STREAMS = (1, 2, 3, 4, 8)
 @functools.cache
 def read_probe() -> ctypes.CDLL | None:
     """bench/csrc/read_probe.c built for this CPU (as the engine builds its kernels), or None without a compiler."""
-    cc = cpu_native.compiler()
+    cc = native_build.compiler()
     if cc is None:
         return None
     with tempfile.TemporaryDirectory(prefix="llmdeploy-probe-") as tmp:
@@ -329,7 +329,7 @@ class Workload:
 
 def compute_dtype(c: Ceilings, dtype: str) -> str:
     """The dtype whose GEMM rates bound `dtype`'s products. int8 weights keep float32 activations, but from
-    cpu_native.Q_BF16_MIN_ROWS rows (a batch-32 step, a prefill) the engine multiplies them as bf16 tiles where
+    native_quant.Q_BF16_MIN_ROWS rows (a batch-32 step, a prefill) the engine multiplies them as bf16 tiles where
     the CPU has AVX-512 BF16: there the bf16 ceiling is theirs. (Against float32's, W int8 read 110% of its
     ceiling on Zen 4, 2026-12-07.)"""
     if dtype == "int8":

@@ -7,7 +7,7 @@
 #   bench/cpu_session.sh           # about 45 minutes on 2 cores (transformers' bf16 is slow where it is emulated)
 #   ONLY="linear_rows engine_vs_hf" bench/cpu_session.sh
 #
-# What each one decides: linear_rows the kernel thresholds in kernels/cpu_native.py (AMX_MIN_ROWS_DEFAULT,
+# What each one decides: linear_rows the kernel thresholds in kernels/native_build.py (AMX_MIN_ROWS_DEFAULT,
 # TILE_AHEAD_ROWS_DEFAULT, ROW_STREAMS_AVX2 / ROW_STREAMS_AVX512, SIDE_ROWS_DEFAULT); engine_vs_hf the issue's
 # targets (W, S, shares of the ceilings, batch-1 against the bandwidth floor, TTFT, int8); small_batches and
 # bf16_decode decode at 1-16 concurrent requests; step_overhead the per-step CPU overhead; decode_attention the three

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ceilings import cpu_info, read_bandwidth_gbps  # noqa: E402
-from llmdeploy.kernels import cpu_native  # noqa: E402
+from llmdeploy.kernels import native_build  # noqa: E402
 from llmdeploy.kernels.huge_pages import huge_empty  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -40,15 +40,15 @@ WEIGHTS_PER_LAYER = 269_000_000 // LAYERS  # bytes of SmolLM2's bf16 weights a l
 def compiled(source: Path, out_dir: Path):
     """`source` (a decode_attention.c) built alone, as cpu_native builds the library"""
     out = out_dir / f"{source.stem}.so"
-    cc, csrc = cpu_native.compiler(), cpu_native.SOURCES[0].parent
-    subprocess.run([cc, *cpu_native.FLAGS, f"-I{csrc}", str(source), "-o", str(out)], check=True)
+    cc, csrc = native_build.compiler(), native_build.SOURCES[0].parent
+    subprocess.run([cc, *native_build.FLAGS, f"-I{csrc}", str(source), "-o", str(out)], check=True)
     fn = ctypes.CDLL(str(out)).llmd_paged_decode_attention
-    fn.argtypes, fn.restype = cpu_native.SIGNATURES["llmd_paged_decode_attention"], ctypes.c_int
+    fn.argtypes, fn.restype = native_build.SIGNATURES["llmd_paged_decode_attention"], ctypes.c_int
     return fn
 
 
 def current():
-    lib = cpu_native.library()
+    lib = native_build.library()
     if lib is None:
         raise SystemExit("the native CPU kernels are not available here")
     return lib.llmd_paged_decode_attention

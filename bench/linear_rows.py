@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ceilings import cpu_info  # noqa: E402
-from llmdeploy.kernels import cpu_native  # noqa: E402
+from llmdeploy.kernels import cpu_native, native_build  # noqa: E402
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # [out, in] per layer
@@ -74,13 +74,13 @@ xs: dict[tuple[int, int], torch.Tensor] = {}
 
 def amx_on(min_rows: int) -> bool:
     """The native bf16 linear on AMX from min_rows rows (0: vdpbf16ps only); False where AMX cannot run."""
-    lib = cpu_native.library()
+    lib = native_build.library()
     return lib is not None and lib.llmd_amx_configure(min_rows) > 0
 
 
 def tile_ahead(rows: int) -> None:
     """float32 linears prefetch the next weight tile up to `rows` rows (0: never); LLMDEPLOY_TILE_AHEAD_ROWS at load."""
-    lib = cpu_native.library()
+    lib = native_build.library()
     if lib is not None:
         lib.llmd_tile_ahead_configure(rows)
 
@@ -88,7 +88,7 @@ def tile_ahead(rows: int) -> None:
 def row_streams(streams: int) -> None:
     """float32 and bf16 linears read `streams` weight tiles side by side at one row (1: a tile at a time);
     LLMDEPLOY_ROW_STREAMS at load."""
-    lib = cpu_native.library()
+    lib = native_build.library()
     if lib is not None:
         lib.llmd_row_streams_configure(streams)
 
@@ -96,7 +96,7 @@ def row_streams(streams: int) -> None:
 def side_rows(rows: int) -> None:
     """The AVX2 float32 linear reads tiles side by side up to `rows` rows (0: only one row); LLMDEPLOY_SIDE_ROWS at
     load."""
-    lib = cpu_native.library()
+    lib = native_build.library()
     if lib is not None:
         lib.llmd_side_rows_configure(rows)
 
@@ -108,8 +108,8 @@ def one_tile_at_a_time(nat, rows: int, reps: int) -> float:
     try:
         return best_of(nat, rows, reps)
     finally:
-        row_streams(cpu_native.row_streams(cpu_native.library()))
-        side_rows(cpu_native.env_rows(cpu_native.SIDE_ROWS_ENV, cpu_native.SIDE_ROWS_DEFAULT))
+        row_streams(native_build.row_streams(native_build.library()))
+        side_rows(native_build.env_rows(native_build.SIDE_ROWS_ENV, native_build.SIDE_ROWS_DEFAULT))
 
 
 def best_of(fn, rows: int, reps: int) -> float:
@@ -147,7 +147,7 @@ def main() -> None:
         head = f"{'rows':>5} {'oneDNN':>16} {'native':>16} {'native/oneDNN':>14}"
         ahead = nat is not None and dtype == torch.float32
         # the AVX2 kernels' small-batch walk: float32 without AVX-512, bf16 without AVX-512 BF16
-        lib = cpu_native.library()
+        lib = native_build.library()
         avx2_side = nat is not None and not (
             lib.llmd_has_avx512() if dtype == torch.float32 else lib.llmd_has_avx512_bf16()
         )
@@ -173,13 +173,15 @@ def main() -> None:
                 amx_on(0)
                 line += f" {cell(a)} " + (f"{a / d:11.2f}" if d else f"{'-':>11}")
                 row["native_amx_s"] = a
-            if ahead and r <= cpu_native.TILE_AHEAD_ROWS_DEFAULT:
+            if ahead and r <= native_build.TILE_AHEAD_ROWS_DEFAULT:
                 tile_ahead(0)
                 a = best_of(nat, r, args.reps)
-                tile_ahead(cpu_native.env_rows(cpu_native.AHEAD_ENV, cpu_native.TILE_AHEAD_ROWS_DEFAULT))
+                tile_ahead(
+                    native_build.env_rows(native_build.AHEAD_ENV, native_build.TILE_AHEAD_ROWS_DEFAULT)
+                )
                 line += f" {cell(a)}"
                 row["native_no_ahead_s"] = a
-            if nat is not None and (r == 1 or (avx2_side and r <= cpu_native.SIDE_ROWS_DEFAULT)):
+            if nat is not None and (r == 1 or (avx2_side and r <= native_build.SIDE_ROWS_DEFAULT)):
                 a = one_tile_at_a_time(nat, r, args.reps)
                 line += f" {cell(a):>19}"
                 row["native_one_stream_s"] = a

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import ceilings  # noqa: E402
 from llmdeploy.engine import LLM, SamplingParams  # noqa: E402
-from llmdeploy.kernels import cpu_native  # noqa: E402
+from llmdeploy.kernels import native_build  # noqa: E402
 
 MODEL = "builtin:smollm2-135m-instruct"
 
@@ -78,8 +78,8 @@ def main() -> None:
     llm = LLM(model=MODEL, dtype=dtype, max_num_seqs=64)
     shape = ceilings.smollm2_shape()
     c = ceilings.measure(shape, [dtype], quick=True)
-    lib = cpu_native.library()
-    side_default = cpu_native.env_rows(cpu_native.SIDE_ROWS_ENV, cpu_native.SIDE_ROWS_DEFAULT)
+    lib = native_build.library()
+    side_default = native_build.env_rows(native_build.SIDE_ROWS_ENV, native_build.SIDE_ROWS_DEFAULT)
     print(
         f"read bandwidth {c.read_gbps:.1f} GB/s, {dtype} GEMM peak {c.dtypes[dtype].peak_gflops:.0f} GFLOP/s"
     )

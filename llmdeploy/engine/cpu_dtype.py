@@ -13,10 +13,10 @@ import functools
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from llmdeploy.kernels.cpu_flags import cpu_flags
 from llmdeploy.policies.dtype_auto import MIN_SPEEDUP, ROWS
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of native bf16 matmul instructions
@@ -32,15 +32,6 @@ MAX_STACK = 32
 class DtypeChoice:
     dtype: torch.dtype
     reason: str
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
 
 
 def bf16_flag(flags: set[str]) -> str | None:

@@ -125,7 +125,8 @@ def estimate_spec(spec: DeploymentSpec) -> Estimate:
         shape = read_model_shape(source)
     except (ModelSourceError, ModelShapeError) as e:
         raise EstimateError(str(e)) from e
-    from llmdeploy.engine.cpu_dtype import bf16_flag, cpu_flags
+    from llmdeploy.engine.cpu_dtype import bf16_flag
+    from llmdeploy.kernels.cpu_flags import cpu_flags
 
     device, gpu_total = resolve_device(spec)
     return estimate(spec, shape, device, gpu_total, bf16_flag(cpu_flags()))

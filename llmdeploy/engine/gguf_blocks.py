@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from llmdeploy.engine.models.quant import BlockWeights
-from llmdeploy.kernels.cpu_native import Q_BLOCK, QFormat
+from llmdeploy.kernels.native_quant import Q_BLOCK, QFormat
 
 # GGUF tensor name -> Hugging Face checkpoint name ({} = layer index)
 LAYER_TENSORS = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import native_build, native_quant
 
 ENV_SWITCH = "LLMDEPLOY_NATIVE_DECODE"  # =0: the Python layers at every step (the benchmarks' baseline)
 
@@ -85,7 +85,7 @@ class _Layer(ctypes.Structure):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0" and cpu_native.library() is not None
+    return os.environ.get(ENV_SWITCH, "1") != "0" and native_build.library() is not None
 
 
 def _linear(lin: NativeLinear) -> _Linear:
@@ -174,8 +174,8 @@ class DecodeLayers:
             lens.data_ptr(),
             self.block_size,
             d.scale,
-            cpu_native.Q_BF16_MIN_ROWS,
-            max(1, torch.get_num_threads()),
+            native_quant.Q_BF16_MIN_ROWS,
+            native_build.threads(),
             (tables, lens),  # held until the call returns; dropped by the callers
         )
 
@@ -201,7 +201,7 @@ class DecodeLayers:
             and hidden.shape == residual.shape == (m, self.dims.hidden)
         ):
             return False
-        rc = cpu_native.library().llmd_decode_layers(
+        rc = native_build.library().llmd_decode_layers(
             int(self.dtype == torch.bfloat16),
             len(self.layers),
             ctypes.addressof(self.structs),
@@ -230,7 +230,7 @@ class DecodeLayers:
         if model is None or args is None:
             return None
         out = torch.empty(m, self.head.out_features, dtype=torch.float32)
-        rc = cpu_native.library().llmd_decode_logits(*model, out.data_ptr(), *args[:-1])
+        rc = native_build.library().llmd_decode_logits(*model, out.data_ptr(), *args[:-1])
         return out if _ran(rc) else None
 
     def _whole_model(self, input_ids: torch.Tensor) -> tuple | None:
@@ -271,7 +271,7 @@ class DecodeLayers:
             return None
         tokens, done = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0)
         flag = None if yield_flag is None else ctypes.byref(yield_flag)
-        rc = cpu_native.library().llmd_decode_greedy(
+        rc = native_build.library().llmd_decode_greedy(
             *model, tokens, steps, flag, ctypes.byref(done), *args[:-1]
         )
         if not _ran(rc):

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference ops. They define what each Triton kernel must compute, and they are the CPU path.
 
-On CPU, decode attention runs the compiled kernel of kernels/cpu_native.py where it builds (K/V read in place from
+On CPU, decode attention runs the compiled kernel of kernels/native_attention.py where it builds (K/V read in place from
 the paged cache, no per-step gather, no padding); `decode_by_gather` is the same op in torch, used without a C
 compiler and as the definition the native kernel is tested against.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_attention
 
 
 def store_kv(
@@ -63,7 +63,7 @@ def paged_attention_decode(
     max_context_len: int | None = None,
 ) -> torch.Tensor:
     """query: [num_seqs, num_heads, head_dim], one token per sequence (the last position) -> same shape."""
-    out = cpu_native.decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    out = native_attention.decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     if out is not None:
         return out
     return decode_by_gather(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
@@ -174,7 +174,9 @@ def paged_prefill_attention(
     starts = cu_seqlens_q.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         q0, q1 = starts[i], starts[i + 1]
-        native = cpu_native.prefill_attention(query[q0:q1], k_cache, v_cache, block_tables[i], ctx, scale)
+        native = native_attention.prefill_attention(
+            query[q0:q1], k_cache, v_cache, block_tables[i], ctx, scale
+        )
         if native is not None:
             out[q0:q1] = native
             continue

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmdeploy.engine import LLM, SamplingParams
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_build
 from llmdeploy.kernels.decode_step import DecodeLayers
 from tests.engine.test_models import hf_greedy, hf_model
 from tests.helpers.tiny_models import make_tiny_model
@@ -38,7 +38,7 @@ def bursts(monkeypatch):
 
 
 def native_for(dtype: str) -> bool:
-    return cpu_native.library() is not None and (
+    return native_build.library() is not None and (
         cpu_native.bf16_linear_available() if dtype == "bfloat16" else cpu_native.f32_linear_available()
     )
 

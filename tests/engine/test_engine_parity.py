@@ -125,9 +125,9 @@ def test_long_context_decodes_next_to_short_ones(tiny_llama, monkeypatch):
     """The torch gather path of the decode op (no C compiler) pads to the longest context of the batch; a long
     context among short ones runs apart. The short requests arrive once the long one decodes, so that they share
     decode steps whatever the scheduler's prefill order."""
-    from llmdeploy.kernels import cpu_native, reference
+    from llmdeploy.kernels import native_build, reference
 
-    monkeypatch.setattr(cpu_native, "library", lambda: None)
+    monkeypatch.setattr(native_build, "library", lambda: None)
     llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=1024, kv_cache_gb=0.02)
     engine = llm.engine
     long_prompt, short = prompts(1, seed=10, lo=600, hi=600)[0], prompts(6, seed=11, lo=5, hi=30)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmdeploy.engine.loader import load_model
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_build
 from llmdeploy.kernels.decode_step import DecodeLayers
 from tests.engine.paged_driver import PagedDriver
 from tests.helpers.tiny_models import make_tiny_model
@@ -51,7 +51,7 @@ def runs(monkeypatch):
 
 def native_linear_for(dtype: str, quantization: str) -> bool:
     """Whether this CPU's build runs every projection natively for the variant (else the step cannot apply)."""
-    if cpu_native.library() is None:
+    if native_build.library() is None:
         return False
     if quantization != "none":
         return True

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from llmdeploy.engine import LLM, SamplingParams
 from llmdeploy.engine.loader import load_model
 from llmdeploy.engine.models.quant import QuantLinear, quantize_q8
-from llmdeploy.kernels.cpu_native import QFormat
+from llmdeploy.kernels.native_quant import QFormat
 from llmdeploy.spec.models import ModelSpec
 from tests.engine.paged_driver import PagedDriver
 from tests.engine.tiny_gguf import write_tiny_gguf

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_build
 
 needs_amx = pytest.mark.skipif(
-    not cpu_native.bf16_linear_available() or cpu_native.amx_linear_rows() == 0,
+    not cpu_native.bf16_linear_available() or native_build.amx_linear_rows() == 0,
     reason="the AMX linear needs AMX-BF16 (and Linux granting its tile state)",
 )
 
@@ -19,12 +19,12 @@ def amx_from(monkeypatch):
     """Sets the AMX row threshold for one test and puts the default back after it."""
 
     def set_rows(rows: int) -> int:
-        monkeypatch.setenv(cpu_native.AMX_ENV, str(rows))
-        return cpu_native.amx_linear_rows()
+        monkeypatch.setenv(native_build.AMX_ENV, str(rows))
+        return native_build.amx_linear_rows()
 
     yield set_rows
-    monkeypatch.delenv(cpu_native.AMX_ENV, raising=False)
-    cpu_native.amx_linear_rows()
+    monkeypatch.delenv(native_build.AMX_ENV, raising=False)
+    native_build.amx_linear_rows()
 
 
 @needs_amx
@@ -68,7 +68,7 @@ def test_amx_and_vdpbf16ps_agree_and_the_switch_turns_amx_off(amx_from):
     lin = torch.nn.Linear(k, n).bfloat16()
     off = layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False)
     assert off.native_max_rows == layers.BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES
-    assert amx_from(cpu_native.AMX_MIN_ROWS_DEFAULT) == cpu_native.AMX_MIN_ROWS_DEFAULT
+    assert amx_from(native_build.AMX_MIN_ROWS_DEFAULT) == native_build.AMX_MIN_ROWS_DEFAULT
     on = layers.PackedLinear(lin.weight, lin.bias, amx=True, register=False)
     assert on.native_max_rows == layers.BF16_NATIVE_MAX_ROWS_WITH_AMX and on.packed is not None
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from llmdeploy.engine.models.quant import quantize_q8
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_attention, native_build, native_quant
 from llmdeploy.kernels import reference as ops
 
 pytestmark = [
-    pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here"),
+    pytest.mark.skipif(not native_build.available(), reason="native CPU kernels do not build here"),
     pytest.mark.usefixtures("two_threads"),
 ]
 
@@ -67,7 +67,7 @@ def test_decode_matches_gather(lens, hkv, group, head_dim, block_size, dtype):
         lens, hkv, head_dim, block_size, dtype, share=1 if len(lens) > 1 and min(lens) > 32 else 0
     )
     q = torch.randn(len(lens), hkv * group, head_dim)
-    out = cpu_native.decode_attention(q, k, v, bt, cl, head_dim**-0.5)
+    out = native_attention.decode_attention(q, k, v, bt, cl, head_dim**-0.5)
     assert out is not None and out.shape == q.shape and out.dtype == torch.float32
     # the definition, in float32 math on the same (possibly bf16-rounded) cache contents
     ref = ops.decode_by_gather(q, k.float(), v.float(), bt, cl, head_dim**-0.5)
@@ -79,16 +79,18 @@ def test_decode_strided_query_and_bf16_query():
     qkv = torch.randn(2, 9 + 6, 64)
     q = qkv[:, :9]  # a view into the fused qkv output, as the model passes it
     ref = ops.decode_by_gather(q.contiguous(), k, v, bt, cl, 0.125)
-    torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
-    out16 = cpu_native.decode_attention(q.bfloat16(), k, v, bt, cl, 0.125)
+    torch.testing.assert_close(
+        native_attention.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5
+    )
+    out16 = native_attention.decode_attention(q.bfloat16(), k, v, bt, cl, 0.125)
     assert out16.dtype == torch.bfloat16
 
 
 def test_decode_declines_what_it_does_not_cover():
     k, v, bt, cl = paged([5], 2, 20, 16)  # head dim not a multiple of 8
-    assert cpu_native.decode_attention(torch.randn(1, 4, 20), k, v, bt, cl, 0.2) is None
+    assert native_attention.decode_attention(torch.randn(1, 4, 20), k, v, bt, cl, 0.2) is None
     k, v, bt, cl = paged([5], 2, 16, 16, dtype=torch.float16)
-    assert cpu_native.decode_attention(torch.randn(1, 4, 16), k, v, bt, cl, 0.2) is None
+    assert native_attention.decode_attention(torch.randn(1, 4, 16), k, v, bt, cl, 0.2) is None
     # the op itself still answers, through the gather path
     out = ops.paged_attention_decode(torch.randn(1, 4, 16, dtype=torch.float16), k, v, bt, cl, 0.25)
     assert out.shape == (1, 4, 16)
@@ -98,7 +100,7 @@ needs_f32_linear = pytest.mark.skipif(
     not cpu_native.f32_linear_available(), reason="the native float32 linear needs AVX-512 or AVX2 + FMA"
 )
 needs_avx2 = pytest.mark.skipif(
-    not (cpu_native.available() and cpu_native.library().llmd_has_f32_linear_avx2()),
+    not (native_build.available() and native_build.library().llmd_has_f32_linear_avx2()),
     reason="the AVX2 float32 linear needs AVX2 + FMA",
 )
 
@@ -149,14 +151,14 @@ def test_f32_linear_matches_torch(kernel, rows, n, bias):
 def test_row_streams_follow_the_kernels_unless_set(monkeypatch):
     """One row's side-by-side tiles: 2 where the AVX-512 kernels run, 3 for the AVX2 ones (each measured best on its
     CPU kind), LLMDEPLOY_ROW_STREAMS first."""
-    lib = cpu_native.library()
-    monkeypatch.delenv(cpu_native.STREAMS_ENV, raising=False)
-    expected = cpu_native.ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else cpu_native.ROW_STREAMS_AVX2
-    assert cpu_native.row_streams(lib) == expected
-    monkeypatch.setenv(cpu_native.STREAMS_ENV, "1")
-    assert cpu_native.row_streams(lib) == 1
-    monkeypatch.setenv(cpu_native.STREAMS_ENV, "many")
-    assert cpu_native.row_streams(lib) == expected  # a bad value keeps the default (and is logged)
+    lib = native_build.library()
+    monkeypatch.delenv(native_build.STREAMS_ENV, raising=False)
+    expected = native_build.ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else native_build.ROW_STREAMS_AVX2
+    assert native_build.row_streams(lib) == expected
+    monkeypatch.setenv(native_build.STREAMS_ENV, "1")
+    assert native_build.row_streams(lib) == 1
+    monkeypatch.setenv(native_build.STREAMS_ENV, "many")
+    assert native_build.row_streams(lib) == expected  # a bad value keeps the default (and is logged)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -167,13 +169,13 @@ def test_f32_linear_one_row_is_the_bits_of_a_batched_row(kernel, n, threads, str
     """One row (decode at batch 1, bound by the weight stream) walks `streams` tiles at once
     (LLMDEPLOY_ROW_STREAMS); each output still sums over k in order, so a request alone gets the same bits as inside
     a batch."""
-    linear, lib = f32_linear_via(kernel), cpu_native.library()
+    linear, lib = f32_linear_via(kernel), native_build.library()
     g = torch.Generator().manual_seed(n)
     k = 77
     w, x, b = torch.randn(n, k, generator=g), torch.randn(2, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
-    monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
+    monkeypatch.setattr(native_build, "threads", lambda: threads)
+    with configured(lib.llmd_row_streams_configure, streams, native_build.row_streams(lib)):
         one = linear(x[:1], packed, b, n)
     assert torch.equal(one, linear(x, packed, b, n)[:1])
     ref = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
@@ -189,22 +191,22 @@ def test_avx2_small_batch_side_by_side_is_the_bits_of_the_tile_walk(rows, n, thr
     """Up to llmd_side_rows rows (LLMDEPLOY_SIDE_ROWS) the AVX2 float32 linear reads `streams` tiles side by side in
     chunks of k, carrying each output's sum between chunks; it is the same bits as the one-tile walk (side rows 0),
     so a request's tokens do not depend on how many others share its step."""
-    lib, linear = cpu_native.library(), f32_linear_via("llmd_f32_linear_avx2")
+    lib, linear = native_build.library(), f32_linear_via("llmd_f32_linear_avx2")
     g = torch.Generator().manual_seed(rows * n)
     k = 77  # chunks of 16 k-rows and a ragged last one
     w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_native.f32_pack(w)
-    monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
+    monkeypatch.setattr(native_build, "threads", lambda: threads)
+    with configured(lib.llmd_row_streams_configure, streams, native_build.row_streams(lib)):
         side = linear(x, packed, b, n)
-        with configured(lib.llmd_side_rows_configure, 0, cpu_native.SIDE_ROWS_DEFAULT):
+        with configured(lib.llmd_side_rows_configure, 0, native_build.SIDE_ROWS_DEFAULT):
             walk = linear(x, packed, b, n)
     assert torch.equal(side, walk)
     assert torch.equal(side[:1], linear(x[:1], packed, b, n))
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(side.double(), ref, atol=1e-4, rtol=1e-5)
     assert lib.llmd_side_rows_configure(99) == 16  # clamped to the accumulators it has room for
-    lib.llmd_side_rows_configure(cpu_native.SIDE_ROWS_DEFAULT)
+    lib.llmd_side_rows_configure(native_build.SIDE_ROWS_DEFAULT)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -212,13 +214,13 @@ def test_avx2_small_batch_side_by_side_is_the_bits_of_the_tile_walk(rows, n, thr
 def test_f32_linear_next_tile_prefetch_changes_no_bit(kernel, rows):
     """Up to llmd_tile_ahead_rows rows a tile's later walks prefetch the next tile (their own loop); the sums are
     the same bits with it off (LLMDEPLOY_TILE_AHEAD_ROWS=0) as on."""
-    linear, lib = f32_linear_via(kernel), cpu_native.library()
+    linear, lib = f32_linear_via(kernel), native_build.library()
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(200, 77, generator=g), torch.randn(rows, 77, generator=g)
     packed = cpu_native.f32_pack(w)
     assert lib.llmd_tile_ahead_configure(64) == 64
     on = linear(x, packed, None, 200)
-    with configured(lib.llmd_tile_ahead_configure, 0, cpu_native.TILE_AHEAD_ROWS_DEFAULT):
+    with configured(lib.llmd_tile_ahead_configure, 0, native_build.TILE_AHEAD_ROWS_DEFAULT):
         off = linear(x, packed, None, 200)
     assert torch.equal(on, off)
     torch.testing.assert_close(on.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
@@ -231,7 +233,7 @@ def test_avx2_linear_writes_only_its_outputs():
     n, k, rows = 40, 64, 7
     w, x = torch.randn(n, k, generator=g), torch.randn(rows + 2, k, generator=g)
     packed = cpu_native.f32_pack(w)
-    lib = cpu_native.library()
+    lib = native_build.library()
     out = torch.full((rows + 2, n), 7.0)
     assert (
         lib.llmd_f32_linear_avx2(x.data_ptr(), k, packed.data_ptr(), None, out.data_ptr(), rows, n, k, 2) == 0
@@ -312,12 +314,12 @@ def test_bf16_linear_rounds_the_exact_sum_once(rows, bias):
 def test_bf16_linear_one_row_is_the_bits_of_a_batched_row(n, threads, streams, monkeypatch):
     """As the float32 linears: one row walks `streams` runs of tiles at once (the partial last tile inside a run,
     or in the group of what is left over), each output's pairs still added in order."""
-    lib, g = cpu_native.library(), torch.Generator().manual_seed(n)
+    lib, g = native_build.library(), torch.Generator().manual_seed(n)
     k = 78
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(2, k, generator=g).bfloat16()
     b, packed = torch.randn(n, generator=g).bfloat16(), cpu_native.bf16_pack(w)
-    monkeypatch.setattr(cpu_native, "_threads", lambda: threads)
-    with configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)):
+    monkeypatch.setattr(native_build, "threads", lambda: threads)
+    with configured(lib.llmd_row_streams_configure, streams, native_build.row_streams(lib)):
         one = cpu_native.bf16_linear(x[:1], packed, b, n)
     assert torch.equal(one, cpu_native.bf16_linear(x, packed, b, n)[:1])
     exact = torch.nn.functional.linear(x[:1].double(), w.double(), b.double())
@@ -337,7 +339,7 @@ def vdpbf16ps_steps(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
 
 
 needs_bf16_avx2 = pytest.mark.skipif(
-    not (cpu_native.available() and cpu_native.library().llmd_has_bf16_linear_avx2()),
+    not (native_build.available() and native_build.library().llmd_has_bf16_linear_avx2()),
     reason="the AVX2 bf16 linear needs AVX2 + FMA",
 )
 
@@ -351,14 +353,14 @@ def test_avx2_bf16_linear_takes_vdpbf16ps_steps(rows, streams, side_rows, bias):
     """The AVX2 kernel widens the bf16 weights and keeps vdpbf16ps's arithmetic, bit for bit, at every row count
     and walk (one row's side-by-side tiles, small batches' chunks of side-by-side tiles, whole widened tiles);
     7 and 10 tiles split between 2 threads give groups of 3, 2 and 1, K = 78 a last chunk of 14 inputs."""
-    lib, g = cpu_native.library(), torch.Generator().manual_seed(rows * 10 + streams)
+    lib, g = native_build.library(), torch.Generator().manual_seed(rows * 10 + streams)
     k = 78
     for n in (32 * 7 - 5, 32 * 9 + 3):
         w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
         b = torch.randn(n, generator=g).bfloat16() if bias else None
         with (
-            configured(lib.llmd_row_streams_configure, streams, cpu_native.row_streams(lib)),
-            configured(lib.llmd_side_rows_configure, side_rows, cpu_native.SIDE_ROWS_DEFAULT),
+            configured(lib.llmd_row_streams_configure, streams, native_build.row_streams(lib)),
+            configured(lib.llmd_side_rows_configure, side_rows, native_build.SIDE_ROWS_DEFAULT),
         ):
             out = cpu_native._packed_linear("llmd_bf16_linear_avx2", x, cpu_native.bf16_pack(w), b, n)
         assert torch.equal(out.view(torch.int16), vdpbf16ps_steps(x, w, b).view(torch.int16))
@@ -408,8 +410,8 @@ def build_for(tmp_path_factory):
 
     @functools.cache
     def build(march: str):
-        flags = tuple(f if f != "-march=native" else f"-march={march}" for f in cpu_native.FLAGS)
-        return cpu_native.load(cpu_native.build(flags, tmp_path_factory.mktemp(f"build-{march}")))
+        flags = tuple(f if f != "-march=native" else f"-march={march}" for f in native_build.FLAGS)
+        return native_build.load(native_build.build(flags, tmp_path_factory.mktemp(f"build-{march}")))
 
     return build
 
@@ -420,19 +422,21 @@ def test_portable_build_without_avx2_agrees(build_for, monkeypatch):
     torch.manual_seed(0)
     k, v, bt, cl = paged([33, 300], 3, 64, 16)
     q, w, x = torch.randn(2, 9, 64), quantize_q8(torch.randn(9, 64)), torch.randn(3, 64)
-    ref = cpu_native.decode_attention(q, k, v, bt, cl, 0.125)
+    ref = native_attention.decode_attention(q, k, v, bt, cl, 0.125)
     lib = build_for("x86-64")
     assert lib.llmd_has_avx2() == 0 and lib.llmd_has_avx512() == 0
-    monkeypatch.setattr(cpu_native, "library", lambda: lib)
-    torch.testing.assert_close(cpu_native.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5)
+    monkeypatch.setattr(native_build, "library", lambda: lib)
+    torch.testing.assert_close(
+        native_attention.decode_attention(q, k, v, bt, cl, 0.125), ref, atol=2e-6, rtol=2e-5
+    )
     kb, vb, btb, _ = paged([40], 3, 64, 16, torch.bfloat16)
     assert (
-        cpu_native.prefill_attention(q[:1].bfloat16(), kb, vb, btb[0], 40, 0.125) is None
+        native_attention.prefill_attention(q[:1].bfloat16(), kb, vb, btb[0], 40, 0.125) is None
     )  # AVX-512 BF16 only
     kf, vf, btf, _ = paged([40], 3, 64, 16)
-    assert cpu_native.prefill_attention(q[:1], kf, vf, btf[0], 40, 0.125) is None  # AVX2 + FMA only
-    assert not cpu_native.q_vnni_available()  # the block-quantized linear: its float32 kernel
-    lin = cpu_native.q_linear(x, cpu_native.q_pack(w.fmt, w.q, w.d, None), None)
+    assert native_attention.prefill_attention(q[:1], kf, vf, btf[0], 40, 0.125) is None  # AVX2 + FMA only
+    assert not native_quant.q_vnni_available()  # the block-quantized linear: its float32 kernel
+    lin = native_quant.q_linear(x, native_quant.q_pack(w.fmt, w.q, w.d, None), None)
     torch.testing.assert_close(lin, torch.nn.functional.linear(x, w.dequantize()), atol=1e-5, rtol=1e-5)
     # no AVX2 nor AVX-512: the float32 layers keep oneDNN's packed GEMM
     from llmdeploy.engine.models.layers import PackedLinear, onednn_linear_available
@@ -454,23 +458,23 @@ def test_portable_build_without_avx2_agrees(build_for, monkeypatch):
 
 
 def test_switched_off_falls_back(monkeypatch):
-    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
-    monkeypatch.setattr(cpu_native, "library", cpu_native.library.__wrapped__)
-    assert cpu_native.library() is None
+    monkeypatch.setenv(native_build.ENV_SWITCH, "0")
+    monkeypatch.setattr(native_build, "library", native_build.library.__wrapped__)
+    assert native_build.library() is None
     k, v, bt, cl = paged([20], 1, 16, 16)
-    assert cpu_native.decode_attention(torch.randn(1, 2, 16), k, v, bt, cl, 0.25) is None
+    assert native_attention.decode_attention(torch.randn(1, 2, 16), k, v, bt, cl, 0.25) is None
     assert ops.paged_attention_decode(torch.randn(1, 2, 16), k, v, bt, cl, 0.25).shape == (1, 2, 16)
 
 
 def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
-    first = cpu_native.build(out_dir=tmp_path)
-    assert cpu_native.build(out_dir=tmp_path) == first  # keyed: the second call compiles nothing
+    first = native_build.build(out_dir=tmp_path)
+    assert native_build.build(out_dir=tmp_path) == first  # keyed: the second call compiles nothing
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
-    with pytest.raises(cpu_native.NativeBuildError, match="failed"):
-        cpu_native.build(("-fno-such-flag-at-all",), tmp_path)
+    with pytest.raises(native_build.NativeBuildError, match="failed"):
+        native_build.build(("-fno-such-flag-at-all",), tmp_path)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with pytest.raises((cpu_native.NativeBuildError, OSError)):
-        cpu_native.build(out_dir=tmp_path / "other")
+    with pytest.raises((native_build.NativeBuildError, OSError)):
+        native_build.build(out_dir=tmp_path / "other")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -593,7 +597,7 @@ MARCHES = [
 def test_argmax_rows_other_builds_agree(march, build_for, monkeypatch):
     lib = build_for(march)
     assert lib.llmd_has_avx512() == 0 and lib.llmd_has_f32_linear() == (march == "haswell")
-    monkeypatch.setattr(cpu_native, "library", lambda: lib)
+    monkeypatch.setattr(native_build, "library", lambda: lib)
     for logits in argmax_cases():
         assert cpu_native.argmax_rows(logits) == logits.argmax(-1).tolist()
     if march == "haswell":  # llmd_f32_linear dispatches to the AVX2 kernel in that build

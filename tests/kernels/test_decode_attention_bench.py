@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import native_build
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(not native_build.available(), reason="native CPU kernels do not build here")
 
 
 def test_baseline_build_gives_the_library_bits(tmp_path):
     sys.path.insert(0, str(ROOT))
     from bench.decode_attention import Case, compiled, current, time_case
 
-    source = cpu_native.SOURCES[0].parent / "decode_attention.c"
+    source = native_build.SOURCES[0].parent / "decode_attention.c"
     for dtype in (torch.float32, torch.bfloat16):
         case = Case(dtype, batch=3, context=70, layers=2)
         best, same = time_case(case, [compiled(source, tmp_path), current()], reps=1)

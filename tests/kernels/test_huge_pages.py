@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from llmdeploy.kernels import huge_pages
-from llmdeploy.kernels.cpu_native import QFormat, f32_pack, q_pack, q_unpack
+from llmdeploy.kernels.cpu_native import f32_pack
 from llmdeploy.kernels.huge_pages import huge_empty, huge_zeros
+from llmdeploy.kernels.native_quant import QFormat, q_pack, q_unpack
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import native_attention, native_build
 from llmdeploy.kernels import reference as ops
 from tests.kernels.test_cpu_native import paged
 
@@ -17,7 +17,7 @@ BF16 = pytest.param(
     torch.bfloat16,
     id="bf16",
     marks=pytest.mark.skipif(
-        not (cpu_native.available() and cpu_native.library().llmd_has_avx2()),
+        not (native_build.available() and native_build.library().llmd_has_avx2()),
         reason="the native bf16 prefill attention needs AVX-512 BF16, or AVX2 + FMA to widen it",
     ),
 )
@@ -25,7 +25,7 @@ F32 = pytest.param(
     torch.float32,
     id="f32",
     marks=pytest.mark.skipif(
-        not (cpu_native.available() and cpu_native.library().llmd_has_avx2()),
+        not (native_build.available() and native_build.library().llmd_has_avx2()),
         reason="the native float32 prefill attention needs AVX2 + FMA",
     ),
 )
@@ -60,7 +60,7 @@ def test_prefill_matches_the_definition_and_the_torch_path(dtype, n, ctx, hkv, g
     k, v, bt, _ = paged([ctx], hkv, head_dim, block_size, dtype, seed=n + ctx)
     q = torch.randn(n, hkv * group, head_dim, generator=torch.Generator().manual_seed(ctx)).to(dtype)
     scale = head_dim**-0.5
-    out = cpu_native.prefill_attention(q, k, v, bt[0], ctx, scale)
+    out = native_attention.prefill_attention(q, k, v, bt[0], ctx, scale)
     assert out is not None and out.shape == q.shape and out.dtype == dtype
     ref = definition(q, k, v, bt[0], ctx, scale)
     torch.testing.assert_close(out.double(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -79,11 +79,11 @@ def test_prefill_op_runs_every_sequence_of_a_step_natively(dtype, monkeypatch):
     q = torch.randn(sum(chunks), 9, 64).to(dtype)
     cu = torch.tensor([0, 40, 72, 81], dtype=torch.int32)
     calls = []
-    native = cpu_native.prefill_attention
-    monkeypatch.setattr(cpu_native, "prefill_attention", lambda *a: calls.append(1) or native(*a))
+    native = native_attention.prefill_attention
+    monkeypatch.setattr(native_attention, "prefill_attention", lambda *a: calls.append(1) or native(*a))
     out = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)
     assert len(calls) == 3
-    monkeypatch.setattr(cpu_native, "prefill_attention", lambda *a: None)
+    monkeypatch.setattr(native_attention, "prefill_attention", lambda *a: None)
     torch_path = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), torch_path.float(), atol=tol, rtol=tol)
@@ -95,8 +95,8 @@ def test_prefill_reads_a_strided_query(dtype):
     qkv = torch.randn(20, 9 + 6, 64).to(dtype)
     q = qkv[:, :9]  # a view into the fused qkv output, as the model passes it
     torch.testing.assert_close(
-        cpu_native.prefill_attention(q, k, v, bt[0], 50, 0.125),
-        cpu_native.prefill_attention(q.contiguous(), k, v, bt[0], 50, 0.125),
+        native_attention.prefill_attention(q, k, v, bt[0], 50, 0.125),
+        native_attention.prefill_attention(q.contiguous(), k, v, bt[0], 50, 0.125),
         atol=0,
         rtol=0,
     )
@@ -106,12 +106,14 @@ def test_prefill_reads_a_strided_query(dtype):
 def test_prefill_declines_what_it_does_not_cover(dtype):
     k, v, bt, cl = paged([20], 2, 64, 16, torch.bfloat16)
     q = torch.randn(8, 4, 64).bfloat16()
-    assert cpu_native.prefill_attention(q.float(), k, v, bt[0], 20, 0.125) is None  # a float32 query
-    assert cpu_native.prefill_attention(q, k.float(), v.float(), bt[0], 20, 0.125) is None  # a float32 cache
-    assert cpu_native.prefill_attention(q, k, v, bt[0], 5, 0.125) is None  # more queries than context
+    assert native_attention.prefill_attention(q.float(), k, v, bt[0], 20, 0.125) is None  # a float32 query
+    assert (
+        native_attention.prefill_attention(q, k.float(), v.float(), bt[0], 20, 0.125) is None
+    )  # a float32 cache
+    assert native_attention.prefill_attention(q, k, v, bt[0], 5, 0.125) is None  # more queries than context
     k72, v72, bt72, _ = paged([20], 2, 72, 16, torch.bfloat16)
     q72 = torch.randn(8, 4, 72).bfloat16()
-    assert cpu_native.prefill_attention(q72, k72, v72, bt72[0], 20, 0.125) is None  # head dim 72
+    assert native_attention.prefill_attention(q72, k72, v72, bt72[0], 20, 0.125) is None  # head dim 72
     # the op itself still answers, through the torch path
     cu = torch.tensor([0, 8], dtype=torch.int32)
     out = ops.paged_prefill_attention(q72, k72, v72, cu, cl, bt72, 0.125)
@@ -125,11 +127,13 @@ def test_float32_prefill_declines_what_it_does_not_cover(dtype):
     k, v, bt, cl = paged([20], 2, 72, 16)
     q = torch.randn(8, 4, 72)
     assert (
-        cpu_native.prefill_attention(q, k, v, bt[0], 20, 0.125) is None
+        native_attention.prefill_attention(q, k, v, bt[0], 20, 0.125) is None
     )  # head dim 72: not whole 16-dim columns
-    assert cpu_native.prefill_attention(q.half(), k.half(), v.half(), bt[0], 20, 0.125) is None  # float16
     assert (
-        cpu_native.prefill_attention(q[:, :3], k, v, bt[0], 20, 0.125) is None
+        native_attention.prefill_attention(q.half(), k.half(), v.half(), bt[0], 20, 0.125) is None
+    )  # float16
+    assert (
+        native_attention.prefill_attention(q[:, :3], k, v, bt[0], 20, 0.125) is None
     )  # 3 query heads on 2 kv heads
     cu = torch.tensor([0, 8], dtype=torch.int32)
     out = ops.paged_prefill_attention(q, k, v, cu, cl, bt, 0.125)  # the op answers through the torch path

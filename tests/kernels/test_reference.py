@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import native_build
 from llmdeploy.kernels import reference as ops
 
 D = 32
@@ -75,8 +75,8 @@ SHAPES = [  # (context lens, kv heads, gqa group, block size, shared blocks)
 def decode_path(request, monkeypatch) -> str:
     """Decode attention through the compiled kernel (K/V read in place) and through the torch gather path."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_native, "library", lambda: None)
-    elif not cpu_native.available():
+        monkeypatch.setattr(native_build, "library", lambda: None)
+    elif not native_build.available():
         pytest.skip("the native CPU kernels do not build here (no C compiler)")
     return request.param
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmdeploy.kernels import cpu_native
+from llmdeploy.kernels import cpu_native, native_build
+from llmdeploy.kernels.cpu_flags import cpu_flags
 from llmdeploy.kernels.decode_step import LinearKind, NativeLinear
 
 
@@ -129,7 +130,7 @@ class PackedLinear(nn.Module):
         bf16_both = self.native is not None and self.dtype == torch.bfloat16 and amx
         self.native_max_rows = None
         if bf16_both:
-            tiles = cpu_native.amx_linear_rows() > 0
+            tiles = native_build.amx_linear_rows() > 0
             self.native_max_rows = (
                 BF16_NATIVE_MAX_ROWS_WITH_AMX if tiles else BF16_NATIVE_MAX_ROWS_WITHOUT_AMX_TILES
             )
@@ -189,8 +190,6 @@ class PackedLinear(nn.Module):
 
 @functools.cache
 def has_amx() -> bool:
-    from llmdeploy.engine.cpu_dtype import cpu_flags  # imported here: cpu_dtype times PackedLinear
-
     return "amx_bf16" in cpu_flags()
 
 

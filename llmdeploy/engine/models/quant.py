@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmdeploy.kernels import cpu_native
-from llmdeploy.kernels.cpu_native import Q_BLOCK, QFormat
+from llmdeploy.kernels import native_quant
 from llmdeploy.kernels.decode_step import LinearKind, NativeLinear
+from llmdeploy.kernels.native_quant import Q_BLOCK, QFormat
 
 FP16_MAX = 65504.0
 
@@ -79,13 +79,13 @@ class QuantLinear(nn.Module):
 
     def __init__(self, blocks: BlockWeights, bias: torch.Tensor | None, int8_inputs: bool = True):
         """int8_inputs: the VNNI kernel where the CPU has it (each layer's input rounded to int8 per block, as
-        llama.cpp does); False: weight-only, inputs stay float32 (bf16 at many rows: cpu_native.q_linear)."""
+        llama.cpp does); False: weight-only, inputs stay float32 (bf16 at many rows: native_quant.q_linear)."""
         super().__init__()
         self.fmt = blocks.fmt
         self.out_features, self.in_features = blocks.out_features, blocks.in_features
         self.padded_in = blocks.q.shape[1]
         vnni = None if int8_inputs else False
-        self.packed = cpu_native.q_pack(
+        self.packed = native_quant.q_pack(
             blocks.fmt, blocks.q, blocks.d, blocks.m, vnni
         )  # None without the kernel
         # once packed, the blocks' own tensors go: the packed bytes are the only copy of the weight
@@ -103,7 +103,7 @@ class QuantLinear(nn.Module):
                 if self.padded_in == self.in_features
                 else F.pad(xf, (0, self.padded_in - self.in_features))
             )
-            out = cpu_native.q_linear(xk, self.packed, self.bias)
+            out = native_quant.q_linear(xk, self.packed, self.bias)
         if out is None:
             out = F.linear(xf, self.weight, self.bias)
         return out if out.dtype == x.dtype else out.to(x.dtype)
@@ -122,7 +122,7 @@ class QuantLinear(nn.Module):
         """Dequantized float32 [N, K]: the path without the native kernel, and inspection."""
         if self.blocks is not None:
             return self.blocks.dequantize()
-        return cpu_native.q_unpack(self.packed)[:, : self.in_features]
+        return native_quant.q_unpack(self.packed)[:, : self.in_features]
 
 
 def quantize_linears(model: nn.Module) -> None:

@@ -1,4 +1,4 @@
-/* CPU kernels for llmdeploy, built at first use by kernels/cpu_native.py (gcc -O3 -march=native -fopenmp, one
+/* CPU kernels for llmdeploy, built at first use by kernels/native_build.py (gcc -O3 -march=native -fopenmp, one
  * compiler process a source) into one library and called through ctypes. No torch headers. OpenMP comes from the
  * libgomp torch already loaded (same soname), so these loops share torch's thread pool instead of starting a second
  * one. This file: what the build can do, and the settings read at load. The kernels:
@@ -42,7 +42,7 @@ int llmd_row_streams_configure(int streams) {
 
 /* rows up to which the float32 linear on AVX2 walks llmd_row_streams tiles side by side as one row does, a few rows
  * at a time (f32_linear_avx2.c rows_tiles); 0 or 1 = only one row; at most LLMD_SIDE_ROWS_MAX. Set once at load
- * (llmd_side_rows_configure; SIDE_ROWS_DEFAULT in cpu_native.py says why 12). */
+ * (llmd_side_rows_configure; SIDE_ROWS_DEFAULT in native_build.py says why 12). */
 int llmd_side_rows = 12;
 int llmd_side_rows_configure(int rows) {
     llmd_side_rows = rows < 0 ? 0 : rows > LLMD_SIDE_ROWS_MAX ? LLMD_SIDE_ROWS_MAX : rows;

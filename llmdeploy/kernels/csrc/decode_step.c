@@ -18,7 +18,7 @@
 #include "bf16_lanes.h"
 #endif
 
-enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_Q = 2, LIN_QV = 3 }; /* LinearKind in kernels/cpu_native.py */
+enum { LIN_F32 = 0, LIN_BF16 = 1, LIN_Q = 2, LIN_QV = 3 }; /* LinearKind in kernels/decode_step.py */
 
 typedef struct {
     int32_t kind, fmt; /* fmt: QFormat for LIN_Q / LIN_QV */
@@ -57,7 +57,7 @@ int llmd_has_avx512_bf16(void);
 int llmd_argmax_rows(const float *, int64_t, int64_t, int64_t, int64_t *, int); /* argmax.c */
 int llmd_has_bf16_linear(void);
 
-/* the kernel q_linear in kernels/cpu_native.py picks for this kind and row count */
+/* the kernel q_linear in kernels/native_quant.py picks for this kind and row count */
 static int linear(const llmd_linear *l, int act_bf16, const void *x, void *y, int64_t M, int64_t q_bf16_min_rows,
                   int nthreads) {
     switch (l->kind) {
