@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from llmdeploy.kernels import cpu_native, native_build
-from llmdeploy.kernels.cpu_flags import cpu_flags
+from llmdeploy.kernels.cpu_flags import cpu_flags, cpu_model
 
 # CPU features that decide which kernels exist (bf16/int8 matmul units, vector width)
 RELEVANT_FLAGS = (
@@ -75,17 +75,9 @@ class CpuInfo:
 
 
 def cpu_info() -> CpuInfo:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
     have = cpu_flags()
     return CpuInfo(
-        model,
+        cpu_model() or platform.processor() or "unknown",
         tuple(f for f in RELEVANT_FLAGS if f in have),
         torch.backends.cpu.get_cpu_capability(),
         torch.get_num_threads(),

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from llmdeploy.kernels.cpu_flags import cpuinfo_lines
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
@@ -196,14 +198,7 @@ def compiler() -> str | None:
 def build_key(cc: str, flags: tuple[str, ...]) -> str:
     """Source, flags, compiler version and CPU (-march=native code is only valid on CPUs like this one)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    try:
-        cpu = "\n".join(
-            line
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith(("model name", "flags", "Features"))
-        )
-    except OSError:
-        cpu = platform.processor()
+    cpu = "\n".join(cpuinfo_lines("model name", "flags", "Features")) or platform.processor()
     ident = "\0".join([*(src.read_text() for src in (*SOURCES, *HEADERS)), " ".join(flags), version, cpu])
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
