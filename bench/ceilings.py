@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from llmdeploy.kernels import cpu_native, native_build
 from llmdeploy.kernels.cpu_flags import cpu_flags, cpu_model
+from llmdeploy.kernels.native_quant import Q_BLOCK
 
 # CPU features that decide which kernels exist (bf16/int8 matmul units, vector width)
 RELEVANT_FLAGS = (
@@ -130,10 +131,10 @@ class ModelShape:
 
     def weight_bytes(self, dtype: str) -> int:
         """Bytes a decode step reads: every projection and the LM head once (norms and the one embedding row
-        are noise). int8 adds a float32 scale per output channel."""
+        are noise). int8 weights are GGUF Q8_0 blocks: a float16 scale per Q_BLOCK inputs of a channel."""
         params = self.layer_params + self.head_params
-        scales = 4 * (self.num_layers * sum(o for _, o in self.projections()) + self.vocab)
-        return params * DTYPE_BYTES[dtype] + (scales if dtype == "int8" else 0)
+        scales = 2 * params // Q_BLOCK if dtype == "int8" else 0
+        return params * DTYPE_BYTES[dtype] + scales
 
     def kv_bytes(self, context: int, dtype: str) -> int:
         """K and V of `context` tokens, all layers: what one sequence's decode attention reads. The cache holds

@@ -21,6 +21,7 @@ from bench.ceilings import (
     read_probe,
     smollm2_shape,
 )
+from llmdeploy.kernels.native_quant import QFormat, q_packed_bytes
 
 SHAPE = smollm2_shape()
 W = Workload()
@@ -99,3 +100,11 @@ def test_batch_1_runs_are_put_against_the_bandwidth_around_them():
     assert "3 runs; 2 whose band held: median 1.24x" in line
     assert "12.0 ms at 54->27 GB/s" in line
     assert "no band held" in b1_runs_line(weight_bytes, [switched])
+
+
+def test_int8_bytes_are_the_packed_q8_blocks():
+    """The batch-1 floor counts what the kernel streams: q_pack's Q8 layout, a float16 scale per 32 inputs."""
+    n_k = [(o, i) for i, o in SHAPE.projections()]
+    packed = sum(q_packed_bytes(QFormat.Q8, n, k) for n, k in n_k) * SHAPE.num_layers
+    packed += q_packed_bytes(QFormat.Q8, SHAPE.vocab, SHAPE.hidden)
+    assert SHAPE.weight_bytes("int8") == pytest.approx(packed, rel=0.001)  # tiles of 32 channels: padding only
