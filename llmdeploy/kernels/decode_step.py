@@ -84,6 +84,27 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Screen(ctypes.Structure):
+    _fields_ = [
+        ("q8", ctypes.c_void_p),
+        ("c_x1", ctypes.c_void_p),
+        ("max_tiles", ctypes.c_int64),
+    ]
+
+
+@dataclass(frozen=True)
+class HeadScreen:
+    """The LM head's Q8 screen (csrc/head_screen.c; built by engine/models/head_screen.py): the Q8 copy in
+    llmd_q_linear's layout, the per-row bound coefficient, and the candidate tiles beyond which it declines."""
+
+    q8: torch.Tensor  # uint8
+    c_x1: torch.Tensor  # float32 [vocab]
+    max_tiles: int
+
+    def struct(self) -> _Screen:
+        return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and native_build.library() is not None
 
@@ -105,6 +126,7 @@ class DecodeLayers:
         final_norm: torch.Tensor,
         embed: torch.Tensor | None = None,
         head: NativeLinear | None = None,
+        screen: HeadScreen | None = None,
     ):
         self.layers, self.dims, self.dtype, self.final_norm = layers, dims, dtype, final_norm
         self.structs = (_Layer * len(layers))(
@@ -126,6 +148,10 @@ class DecodeLayers:
         whole = embed is not None and head is not None and embed.dtype == dtype and embed.is_contiguous()
         self.embed, self.head = (embed, head) if whole else (None, None)
         self.head_struct = _linear(head) if whole else None
+        # the head's screen answers greedy steps at one row (llmd_decode_greedy); `screened_steps` counts them
+        self.screen = screen if whole and head.bias is None else None
+        self.screen_struct = self.screen.struct() if self.screen is not None else None
+        self.screened_steps = 0
 
     def _step_args(
         self,
@@ -269,13 +295,15 @@ class DecodeLayers:
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
         if model is None or args is None or steps < 1:
             return None
-        tokens, done = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0)
+        tokens, done, screened = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0), ctypes.c_int64(0)
         flag = None if yield_flag is None else ctypes.byref(yield_flag)
+        screen = None if self.screen_struct is None else ctypes.byref(self.screen_struct)
         rc = native_build.library().llmd_decode_greedy(
-            *model, tokens, steps, flag, ctypes.byref(done), *args[:-1]
+            *model, screen, tokens, steps, flag, ctypes.byref(done), ctypes.byref(screened), *args[:-1]
         )
         if not _ran(rc):
             return None
+        self.screened_steps += screened.value
         flat = list(tokens)
         return [flat[n * steps : n * steps + done.value] for n in range(m)]
 

@@ -45,6 +45,7 @@ SOURCES = tuple(
         "prefill_attention_f32.c",
         "decode_step.c",
         "argmax.c",
+        "head_screen.c",
     )
 )
 # in the build key too: a change to one rebuilds
@@ -61,6 +62,7 @@ HEADERS = tuple(
         "bf16_lanes.h",
         "q_format.h",
         "tile_groups.h",
+        "head_screen.h",
     )
 )
 # -ffp-contract=off: a * b + c written as two ops stays two roundings, as torch computes it (rotary, norms)
@@ -170,11 +172,13 @@ SIGNATURES = {
     # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, logits, then as llmd_decode_layers from M
     "llmd_decode_logits": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, *[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
-    # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, tokens, steps, yield_flag, done, then as
-    # llmd_decode_layers from M without slots (each step's come from the tables)
-    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 3, c_int64, c_ptr, c_ptr]
+    # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, screen, tokens, steps, yield_flag, done,
+    # screened, then as llmd_decode_layers from M without slots (each step's come from the tables)
+    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 4, c_int64, *[c_ptr] * 3]
     + [*[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
+    # screen, act_bf16, head_w, V, K, x, best, tiles_read, nthreads
+    "llmd_head_screen_argmax": [c_ptr, c_int, c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,

@@ -13,8 +13,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmdeploy.engine.attention import AttentionMetadata
+from llmdeploy.engine.models import head_screen
 from llmdeploy.kernels import decode_step
-from llmdeploy.kernels.decode_step import DecodeLayers, Dims, LinearKind, NativeLayer
+from llmdeploy.kernels.decode_step import (
+    DecodeLayers,
+    Dims,
+    HeadScreen,
+    LinearKind,
+    NativeLayer,
+    NativeLinear,
+)
 
 if TYPE_CHECKING:
     from llmdeploy.engine.models.llama import LlamaDecoderLayer, LlamaModel
@@ -55,6 +63,8 @@ class NativeDecode:
         self.layers: DecodeLayers | None = None
         self.max_rows: int | None = None
         self.head: torch.nn.Module | None = None  # the LM head `logits` was last asked with
+        self.screen_of: torch.nn.Module | None = None  # the head `screen` was built for
+        self.screen: HeadScreen | None = None
 
     def disable(self) -> None:
         """engine.compile: the compiled layers run every step."""
@@ -98,7 +108,16 @@ class NativeDecode:
         self.max_rows = _max_rows(model, self.head)
         head = getattr(self.head, "native_linear", lambda: None)()
         embed = model.embed_tokens.weight.detach()
-        return DecodeLayers(layers, dims, dtype, final.weight.detach(), embed, head)
+        return DecodeLayers(layers, dims, dtype, final.weight.detach(), embed, head, self._screen(head))
+
+    def _screen(self, head: NativeLinear | None) -> HeadScreen | None:
+        """The head's Q8 screen for greedy steps at one row (engine/models/head_screen.py), built once per head
+        (0.55 s for SmolLM2's on 2 cores): a moved KV cache rebuilds the layers, not this."""
+        if head is None or head.kind not in (LinearKind.F32, LinearKind.BF16) or head.bias is not None:
+            return None
+        if self.screen_of is not self.head:
+            self.screen_of, self.screen = self.head, head_screen.build(self.head.weight)
+        return self.screen
 
     def _ready(
         self,

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "head_screen.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #else
@@ -222,6 +224,36 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
  * dtype copy, the row selection) was ~0.35 ms of a 7.6 ms bf16 step: 5% above the bandwidth floor.
  *
  * Returns llmd_decode_layers' codes; -1 also for an id outside [0, vocab) or a head the activations cannot feed. */
+/* the embedding of ids, every layer and the final norm: hidden [M, E] of the activations' dtype (residual scratch) */
+static int decode_hidden(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm,
+                         const void *embed, int64_t vocab, const int64_t *ids, char *hidden, char *residual, int64_t M,
+                         int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions,
+                         const float *cos_sin, int64_t max_pos, const int64_t *slots, const int32_t *tables,
+                         int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
+                         int64_t q_bf16_min_rows, int nthreads) {
+    for (int64_t n = 0; n < M; n++)
+        if (ids[n] < 0 || ids[n] >= vocab) return -1;
+    const size_t es = act_bf16 ? 2 : 4;
+    memset(residual, 0, es * (size_t)(M * E));
+    for (int64_t n = 0; n < M; n++)
+        memcpy(hidden + es * (size_t)(n * E), (const char *)embed + es * (size_t)(ids[n] * E), es * (size_t)E);
+    return llmd_decode_layers(act_bf16, n_layers, L, final_norm, hidden, residual, M, E, H, Hkv, D, I, eps, positions,
+                              cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale, q_bf16_min_rows,
+                              nthreads);
+}
+
+/* hidden [M, E] through the head: float32 logits [M, head->n] (bf16 logits widened) */
+static int head_logits(const llmd_linear *head, int act_bf16, const char *hidden, float *logits, int64_t M,
+                       int64_t q_bf16_min_rows, int nthreads) {
+    if (!act_bf16) return linear(head, 0, hidden, logits, M, q_bf16_min_rows, nthreads);
+    uint16_t *head16 = malloc(2 * (size_t)(M * head->n));
+    if (!head16) return -3;
+    const int rc = linear(head, 1, hidden, head16, M, q_bf16_min_rows, nthreads);
+    if (!rc) widen(head16, logits, M * head->n);
+    free(head16);
+    return rc;
+}
+
 int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
                        int64_t vocab, const int64_t *ids, const llmd_linear *head, float *logits, int64_t M, int64_t E,
                        int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions,
@@ -229,23 +261,15 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                        int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
                        int64_t q_bf16_min_rows, int nthreads) {
     if (M < 1 || !final_norm || !embed || !head || !linear_fits(head, act_bf16, head->n, E) || head->n < 1) return -1;
-    for (int64_t n = 0; n < M; n++)
-        if (ids[n] < 0 || ids[n] >= vocab) return -1;
     const size_t es = act_bf16 ? 2 : 4;
-    char *hidden = malloc(es * (size_t)(M * E)), *residual = calloc((size_t)(M * E), es);
-    uint16_t *head16 = act_bf16 ? malloc(2 * (size_t)(M * head->n)) : NULL;
+    char *hidden = malloc(es * (size_t)(M * E)), *residual = malloc(es * (size_t)(M * E));
     int rc = -3;
-    if (!hidden || !residual || (act_bf16 && !head16)) goto done;
-    for (int64_t n = 0; n < M; n++)
-        memcpy(hidden + es * (size_t)(n * E), (const char *)embed + es * (size_t)(ids[n] * E), es * (size_t)E);
-    rc = llmd_decode_layers(act_bf16, n_layers, L, final_norm, hidden, residual, M, E, H, Hkv, D, I, eps, positions,
-                            cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale, q_bf16_min_rows,
-                            nthreads);
-    if (!rc) rc = linear(head, act_bf16, hidden, act_bf16 ? (void *)head16 : (void *)logits, M, q_bf16_min_rows,
-                         nthreads);
-    if (!rc && act_bf16) widen(head16, logits, M * head->n);
-done:
-    free(hidden), free(residual), free(head16);
+    if (hidden && residual)
+        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, vocab, ids, hidden, residual, M, E, H, Hkv, D, I,
+                           eps, positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale,
+                           q_bf16_min_rows, nthreads);
+    if (!rc) rc = head_logits(head, act_bf16, hidden, logits, M, q_bf16_min_rows, nthreads);
+    free(hidden), free(residual);
     return rc;
 }
 
@@ -263,26 +287,38 @@ done:
  * engine sets it when a prompt arrives or a request is aborted, so neither waits for the rest of a burst). *done:
  * the steps run, their tokens in tokens[n * steps + j] for j < *done.
  *
+ * screen (may be NULL): at one row, a float32 or bf16 head without bias, each step's argmax comes from the head's
+ * Q8 screen and the exact logits of its candidate tiles (head_screen.c: the same token, most of the head unread);
+ * where the screen declines, the whole head. *screened (may be NULL): the steps the screen answered.
+ *
  * Returns llmd_decode_logits' codes; -1 (nothing written) also where a position would pass max_pos or the
  * table's width, or the head has more rows than the embedding (an argmax could not be fed back). A failure after
  * the first step (out of memory) leaves the earlier steps' K/V written. */
 int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
-                       int64_t vocab, const int64_t *ids, const llmd_linear *head, int64_t *tokens, int64_t steps,
-                       const volatile int32_t *yield_flag, int64_t *done, int64_t M, int64_t E, int64_t H,
-                       int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_sin,
-                       int64_t max_pos, const int32_t *tables, int64_t bt_stride, const int32_t *lens,
-                       int64_t block_size, float scale, int64_t q_bf16_min_rows, int nthreads) {
-    if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done) return -1;
+                       int64_t vocab, const int64_t *ids, const llmd_linear *head, const llmd_head_screen *screen,
+                       int64_t *tokens, int64_t steps, const volatile int32_t *yield_flag, int64_t *done,
+                       int64_t *screened, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
+                       float eps, const int64_t *positions, const float *cos_sin, int64_t max_pos,
+                       const int32_t *tables, int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
+                       int64_t q_bf16_min_rows, int nthreads) {
+    if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done || !final_norm ||
+        !embed || !linear_fits(head, act_bf16, head->n, E))
+        return -1;
     *done = 0;
+    if (screened) *screened = 0;
     for (int64_t n = 0; n < M; n++)
         if (positions[n] < 0 || positions[n] + steps > max_pos ||
             (positions[n] + steps - 1) / block_size >= bt_stride)
             return -1;
+    /* the screen takes one row of a float32 or bf16 head without bias (head_screen.c) */
+    const int screen_on = screen && M == 1 && !head->bias && (head->kind == LIN_F32 || head->kind == LIN_BF16);
+    const size_t es = act_bf16 ? 2 : 4;
     int64_t *cur = malloc(sizeof(int64_t) * (size_t)(4 * M));
     int32_t *lens_j = malloc(sizeof(int32_t) * (size_t)M);
     float *logits = malloc(sizeof(float) * (size_t)(M * head->n));
+    char *hidden = malloc(es * (size_t)(M * E)), *residual = malloc(es * (size_t)(M * E));
     int rc = -3;
-    if (!cur || !lens_j || !logits) goto done;
+    if (!cur || !lens_j || !logits || !hidden || !residual) goto done;
     int64_t *pos = cur + M, *slots = cur + 2 * M, *best = cur + 3 * M;
     memcpy(cur, ids, sizeof(int64_t) * (size_t)M);
     rc = 0;
@@ -293,14 +329,22 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
             lens_j[n] = lens[n] + (int32_t)j;
             slots[n] = (int64_t)tables[n * bt_stride + pos[n] / block_size] * block_size + pos[n] % block_size;
         }
-        rc = llmd_decode_logits(act_bf16, n_layers, L, final_norm, embed, vocab, cur, head, logits, M, E, H, Hkv, D,
-                                I, eps, pos, cos_sin, max_pos, slots, tables, bt_stride, lens_j, block_size, scale,
-                                q_bf16_min_rows, nthreads);
-        if (!rc) rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
+        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, vocab, cur, hidden, residual, M, E, H, Hkv, D, I,
+                           eps, pos, cos_sin, max_pos, slots, tables, bt_stride, lens_j, block_size, scale,
+                           q_bf16_min_rows, nthreads);
+        int64_t tiles = 0;
+        const int by_screen = !rc && screen_on &&
+                              llmd_head_screen_argmax(screen, act_bf16, head->w, head->n, E, hidden, best, &tiles,
+                                                      nthreads) == 0;
+        if (!rc && !by_screen) {
+            rc = head_logits(head, act_bf16, hidden, logits, M, q_bf16_min_rows, nthreads);
+            if (!rc) rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
+        }
+        if (by_screen && screened) *screened += 1;
         for (int64_t n = 0; n < M && rc == 0; n++) tokens[n * steps + j] = cur[n] = best[n];
         if (rc == 0) *done = j + 1;
     }
 done:
-    free(cur), free(lens_j), free(logits);
+    free(cur), free(lens_j), free(logits), free(hidden), free(residual);
     return rc;
 }

@@ -1,0 +1,14 @@
+/* The LM head's screen for greedy decode at one row (head_screen.c). */
+#ifndef LLMD_HEAD_SCREEN_H
+#define LLMD_HEAD_SCREEN_H
+#include <stdint.h>
+
+typedef struct {
+    const uint8_t *q8; /* the head's weights as Q8 blocks in llmd_q_linear's layout (llmd_q_pack, vnni = 0) */
+    const float *c_x1; /* per vocabulary row: how far its screened logit can be from the exact one per unit of sum |x| */
+    int64_t max_tiles; /* more candidate tiles than this: the caller computes the whole head */
+} llmd_head_screen;
+
+int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void *head_w, int64_t V, int64_t K,
+                            const void *x, int64_t *best, int64_t *tiles_read, int nthreads);
+#endif
