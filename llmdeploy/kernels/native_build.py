@@ -177,8 +177,8 @@ SIGNATURES = {
     "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 4, c_int64, *[c_ptr] * 3]
     + [*[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
-    # screen, act_bf16, head_w, V, K, x, best, tiles_read, nthreads
-    "llmd_head_screen_argmax": [c_ptr, c_int, c_ptr, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_int],
+    # screen, act_bf16, head_w, V, K, x, M, best, tiles_read, nthreads
+    "llmd_head_screen_argmax": [c_ptr, c_int, c_ptr, c_int64, c_int64, c_ptr, c_int64, c_ptr, c_ptr, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,

@@ -1,7 +1,7 @@
-"""The LM head's Q8 screen (kernels/csrc/head_screen.c, engine/models/head_screen.py): at one row its greedy token
-is the whole head's (the first index of the largest exact logit), through ties, near-ties and rows the screen
-cannot tell apart; where too many tiles may hold the largest it declines. Also through an engine: greedy tokens
-with the screen are the tokens without it, and the screen answered the batch-1 steps."""
+"""The LM head's Q8 screen (kernels/csrc/head_screen.c, engine/models/head_screen.py): at each of a few rows its
+greedy token is the whole head's (the first index of the largest exact logit), through ties, near-ties and rows
+the screen cannot tell apart; where too many tiles may hold the largest it declines. Also through an engine: greedy tokens
+with the screen are the tokens without it, and the screen answered the bursts' steps."""
 
 from __future__ import annotations
 
@@ -24,28 +24,34 @@ def packs(dtype: str) -> bool:
     return cpu_native.bf16_linear_available() if dtype == "bfloat16" else cpu_native.f32_linear_available()
 
 
-def whole_head_argmax(packed: torch.Tensor, x: torch.Tensor, vocab: int) -> int:
-    logits = cpu_native.native_linear(x[None], packed, None, vocab).float()
-    return int(logits.argmax(dim=-1))  # torch: the first index of the largest
+def whole_head_argmax(packed: torch.Tensor, x: torch.Tensor, vocab: int) -> list[int]:
+    """Each row's token from the whole head's logits, x [K] or [M, K] in one call."""
+    logits = cpu_native.native_linear(x.reshape(-1, x.shape[-1]), packed, None, vocab).float()
+    return logits.argmax(dim=-1).tolist()  # torch: the first index of the largest
 
 
-def screened_argmax(screen, packed: torch.Tensor, x: torch.Tensor, vocab: int) -> tuple[int, int] | None:
-    """(token, candidate tiles read), or None where the screen declined."""
-    best, tiles = ctypes.c_int64(-1), ctypes.c_int64(-1)
+def screened_argmax(
+    screen, packed: torch.Tensor, x: torch.Tensor, vocab: int
+) -> tuple[list[int], int] | None:
+    """Each row's token and the candidate tiles read (all rows), or None where the screen declined; x [K] or
+    [M, K]."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    best, tiles = (ctypes.c_int64 * rows.shape[0])(), ctypes.c_int64(-1)
     struct = screen.struct()
     rc = native_build.library().llmd_head_screen_argmax(
         ctypes.byref(struct),
         int(x.dtype == torch.bfloat16),
         packed.data_ptr(),
         vocab,
-        x.shape[0],
-        x.data_ptr(),
-        ctypes.byref(best),
+        rows.shape[1],
+        rows.data_ptr(),
+        rows.shape[0],
+        best,
         ctypes.byref(tiles),
         native_build.threads(),
     )
     assert rc in (0, 1)
-    return (best.value, tiles.value) if rc == 0 else None
+    return (list(best), tiles.value) if rc == 0 else None
 
 
 def head(dtype: str, vocab: int, k: int, seed: int) -> torch.Tensor:
@@ -73,6 +79,25 @@ def test_the_screened_token_is_the_whole_heads_on_random_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 4])
+def test_several_rows_each_get_the_whole_heads_token(dtype, rows):
+    """A decode burst's rows at once: each row's token is the one the whole head's batched call gives it."""
+    if not packs(dtype):
+        pytest.skip(f"no native {dtype} linear here")
+    vocab, k = 32 * 100 + 3, 96
+    w = head(dtype, vocab, k, 10)
+    packed, screen = cpu_native.native_pack(w), head_screen.build(w)
+    g = torch.Generator().manual_seed(11)
+    for i in range(20):
+        x = (torch.randn(rows, k, generator=g) * torch.linspace(0.3, 3.0, rows)[:, None] * (1 + i % 3)).to(
+            w.dtype
+        )
+        got = screened_argmax(screen, packed, x, vocab)
+        assert got is not None
+        assert got[0] == whole_head_argmax(packed, x, vocab)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_and_near_ties_keep_the_first_index(dtype):
     """Copies of the winning row later in the head (exact ties), and rows one float step away from it: the answer
     is the whole head's first index of the largest, wherever the copies sit."""
@@ -82,7 +107,7 @@ def test_ties_and_near_ties_keep_the_first_index(dtype):
     w = head(dtype, vocab, k, 2)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(k, generator=g).to(w.dtype)
-    top = whole_head_argmax(cpu_native.native_pack(w), x, vocab)
+    [top] = whole_head_argmax(cpu_native.native_pack(w), x, vocab)
     for copy_at in (top + 1, vocab - 1, 5, 33):
         if copy_at == top:
             continue
@@ -148,6 +173,7 @@ def test_an_engines_greedy_tokens_are_the_same_with_the_screen(folder, dtype, mo
         monkeypatch.setenv(head_screen.ENV_SWITCH, screen)
         llm = LLM(model=str(folder), dtype=dtype, max_model_len=128, kv_cache_gb=0.01, decode_burst=4)
         tokens = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]  # batch 1 each
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # bursts of 3 rows
         model = llm.engine.runner.model
         layers = next(m.native_decode.layers for m in model.modules() if hasattr(m, "native_decode"))
         return tokens, layers.screened_steps if layers is not None else 0

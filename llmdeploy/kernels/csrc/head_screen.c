@@ -77,56 +77,74 @@ static int exact_tile(int act_bf16, const void *head_w, const void *x, int64_t V
     return rc;
 }
 
-/* x: the head's input row (float32, or bf16 with act_bf16); head_w: the head packed for llmd_f32_linear /
- * llmd_bf16_linear, no bias. Returns 0 with *best (and *tiles_read, the candidate tiles computed), 1 where it
- * declines (an input not finite, K not whole blocks, more candidates than s->max_tiles, out of memory): the caller then computes the whole head. */
-int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void *head_w, int64_t V, int64_t K,
-                            const void *x, int64_t *best, int64_t *tiles_read, int nthreads) {
-    if (!s || !s->q8 || V < 1 || K < 1 || K % SCREEN_BLOCK) return 1;
-    const int64_t tiles = (V + SCREEN_TILE - 1) / SCREEN_TILE;
-    float *xf = malloc(sizeof(float) * (size_t)K), *a = malloc(sizeof(float) * (size_t)V);
-    float *exact = malloc(sizeof(float) * (size_t)(tiles * SCREEN_TILE));
-    int64_t *cand = malloc(sizeof(int64_t) * (size_t)tiles);
-    float x1;
-    int rc = 1;
-    if (!xf || !a || !exact || !cand || !screen_inputs(act_bf16, x, K, xf, &x1)) goto done;
-    if (llmd_q_linear(0 /* Q8 */, xf, K, s->q8, NULL, a, 1, V, K, nthreads) != 0) goto done;
+/* row m's candidate tiles (those with a row that can reach the largest exact logit) into cand as m * tiles + t, after
+ * the n already there; -1 where the row's lower bound is not finite or it has more than max_tiles */
+static int64_t row_candidates(const llmd_head_screen *s, int act_bf16, const float *a, float x1, int64_t V,
+                              int64_t tiles, int64_t m, int64_t *cand, int64_t n) {
     const float x1m = x1 * 1.001f;
     float floor_max = -INFINITY; /* T: the largest exact logit is at least this */
     for (int64_t v = 0; v < V; v++) {
         const float lo = a[v] - s->c_x1[v] * x1m;
         floor_max = lo > floor_max ? lo : floor_max;
     }
-    if (!isfinite(floor_max)) goto done;
+    if (!isfinite(floor_max)) return -1;
     const float reach = act_bf16 ? bf16_floor_mid(floor_max) : floor_max;
-    int64_t n = 0;
-    for (int64_t t = 0; t < tiles && n <= s->max_tiles; t++) {
+    const int64_t first = n;
+    for (int64_t t = 0; t < tiles; t++) {
         const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
-        for (int64_t v = t * SCREEN_TILE; v < end; v++) {
+        for (int64_t v = t * SCREEN_TILE; v < end; v++)
             if (a[v] + s->c_x1[v] * x1m >= reach) {
-                cand[n++] = t;
+                if (n - first == s->max_tiles) return -1;
+                cand[n++] = m * tiles + t;
                 break;
             }
-        }
     }
-    if (n > s->max_tiles) goto done;
+    return n;
+}
+
+/* x: M rows (row stride K) of the head's input (float32, or bf16 with act_bf16); head_w: the head packed for
+ * llmd_f32_linear / llmd_bf16_linear, no bias. Returns 0 with best[M] (and *tiles_read, the candidate tiles
+ * computed, all rows), 1 where it declines (an input not finite, K not whole blocks, a row with more candidates than
+ * s->max_tiles, out of memory): the caller then computes the whole head. */
+int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void *head_w, int64_t V, int64_t K,
+                            const void *x, int64_t M, int64_t *best, int64_t *tiles_read, int nthreads) {
+    if (!s || !s->q8 || V < 1 || K < 1 || M < 1 || K % SCREEN_BLOCK) return 1;
+    const int64_t tiles = (V + SCREEN_TILE - 1) / SCREEN_TILE;
+    const size_t es = act_bf16 ? 2 : 4;
+    float *xf = malloc(sizeof(float) * (size_t)(M * K)), *x1 = malloc(sizeof(float) * (size_t)M);
+    float *a = malloc(sizeof(float) * (size_t)(M * V));
+    float *exact = malloc(sizeof(float) * (size_t)(M * tiles * SCREEN_TILE));
+    int64_t *cand = malloc(sizeof(int64_t) * (size_t)(M * tiles));
+    int rc = 1;
+    if (!xf || !x1 || !a || !exact || !cand) goto done;
+    for (int64_t m = 0; m < M; m++)
+        if (!screen_inputs(act_bf16, (const char *)x + es * (size_t)(m * K), K, xf + m * K, x1 + m)) goto done;
+    if (llmd_q_linear(0 /* Q8 */, xf, K, s->q8, NULL, a, M, V, K, nthreads) != 0) goto done;
+    int64_t n = 0;
+    for (int64_t m = 0; m < M && n >= 0; m++) n = row_candidates(s, act_bf16, a + m * V, x1[m], V, tiles, m, cand, n);
+    if (n < 0) goto done;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
-    for (int64_t i = 0; i < n; i++)
-        failed |= exact_tile(act_bf16, head_w, x, V, K, cand[i], exact + cand[i] * SCREEN_TILE) != 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t m = cand[i] / tiles, t = cand[i] % tiles;
+        failed |= exact_tile(act_bf16, head_w, (const char *)x + es * (size_t)(m * K), V, K, t,
+                             exact + (m * tiles + t) * SCREEN_TILE) != 0;
+    }
     if (failed) goto done;
-    int64_t at = -1;
-    for (int64_t i = 0; i < n; i++) { /* tiles in index order, rows in order: ties keep the first */
-        const int64_t t = cand[i], end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
+    for (int64_t m = 0; m < M; m++) best[m] = -1;
+    for (int64_t i = 0; i < n; i++) { /* each row's tiles in index order, rows in order: ties keep the first */
+        const int64_t m = cand[i] / tiles, t = cand[i] % tiles, end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
+        const float *row = exact + m * tiles * SCREEN_TILE;
         for (int64_t v = t * SCREEN_TILE; v < end; v++) {
-            if (exact[v] != exact[v]) goto done; /* a NaN: the whole head's argmax has its own rule for it */
-            if (at < 0 || exact[v] > exact[at]) at = v;
+            if (row[v] != row[v]) goto done; /* a NaN: the whole head's argmax has its own rule for it */
+            if (best[m] < 0 || row[v] > row[best[m]]) best[m] = v;
         }
     }
-    if (at < 0) goto done;
-    *best = at, *tiles_read = n;
+    for (int64_t m = 0; m < M; m++)
+        if (best[m] < 0) goto done;
+    *tiles_read = n;
     rc = 0;
 done:
-    free(xf), free(a), free(exact), free(cand);
+    free(xf), free(x1), free(a), free(exact), free(cand);
     return rc;
 }

@@ -1,4 +1,4 @@
-/* The LM head's screen for greedy decode at one row (head_screen.c). */
+/* The LM head's screen for greedy decode at a few rows (head_screen.c). */
 #ifndef LLMD_HEAD_SCREEN_H
 #define LLMD_HEAD_SCREEN_H
 #include <stdint.h>
@@ -10,5 +10,5 @@ typedef struct {
 } llmd_head_screen;
 
 int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void *head_w, int64_t V, int64_t K,
-                            const void *x, int64_t *best, int64_t *tiles_read, int nthreads);
+                            const void *x, int64_t M, int64_t *best, int64_t *tiles_read, int nthreads);
 #endif
