@@ -107,4 +107,5 @@ def test_int8_bytes_are_the_packed_q8_blocks():
     n_k = [(o, i) for i, o in SHAPE.projections()]
     packed = sum(q_packed_bytes(QFormat.Q8, n, k) for n, k in n_k) * SHAPE.num_layers
     packed += q_packed_bytes(QFormat.Q8, SHAPE.vocab, SHAPE.hidden)
-    assert SHAPE.weight_bytes("int8") == pytest.approx(packed, rel=0.001)  # tiles of 32 channels: padding only
+    # tiles of 32 channels: padding only
+    assert SHAPE.weight_bytes("int8") == pytest.approx(packed, rel=0.001)

@@ -222,15 +222,6 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
     }
 }
 
-/* A decode-only step from token ids to float32 logits in one call: the embedding rows of `ids` (embed: [vocab, E]
- * of the activations' dtype), every layer and the final norm (llmd_decode_layers, over a zero residual as the
- * Python model starts), then the LM head `head` (N = its vocabulary rows) into logits [M, N]: the head's own output
- * dtype widened to float32 as the Python path's `.float()`, so the values are the Python path's.
- *
- * Why: at batch 1 the Python around the layers' call (embedding, the head's module and wrapper calls, the logits'
- * dtype copy, the row selection) was ~0.35 ms of a 7.6 ms bf16 step: 5% above the bandwidth floor.
- *
- * Returns llmd_decode_layers' codes; -1 also for an id outside [0, vocab) or a head the activations cannot feed. */
 /* the embedding of ids, every layer and the final norm: hidden [M, E] of the activations' dtype (residual scratch) */
 static int decode_hidden(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm,
                          const void *embed, int64_t vocab, const int64_t *ids, char *hidden, char *residual, int64_t M,
@@ -261,6 +252,15 @@ static int head_logits(const llmd_linear *head, int act_bf16, const char *hidden
     return rc;
 }
 
+/* A decode-only step from token ids to float32 logits in one call: the embedding rows of `ids` (embed: [vocab, E]
+ * of the activations' dtype), every layer and the final norm (llmd_decode_layers, over a zero residual as the
+ * Python model starts), then the LM head `head` (N = its vocabulary rows) into logits [M, N]: the head's own output
+ * dtype widened to float32 as the Python path's `.float()`, so the values are the Python path's.
+ *
+ * Why: at batch 1 the Python around the layers' call (embedding, the head's module and wrapper calls, the logits'
+ * dtype copy, the row selection) was ~0.35 ms of a 7.6 ms bf16 step: 5% above the bandwidth floor.
+ *
+ * Returns llmd_decode_layers' codes; -1 also for an id outside [0, vocab) or a head the activations cannot feed. */
 int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
                        int64_t vocab, const int64_t *ids, const llmd_linear *head, float *logits, int64_t M, int64_t E,
                        int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions,
@@ -294,9 +294,9 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
  * engine sets it when a prompt arrives or a request is aborted, so neither waits for the rest of a burst). *done:
  * the steps run, their tokens in tokens[n * steps + j] for j < *done.
  *
- * screen (may be NULL): at up to SCREEN_MAX_ROWS_* rows, a float32 or bf16 head without bias, each step's argmaxes come
- * from the head's Q8 screen and the exact logits of its candidate tiles (head_screen.c: the same token, most of the head unread);
- * where the screen declines, the whole head. *screened (may be NULL): the steps the screen answered.
+ * screen (may be NULL): at up to SCREEN_MAX_ROWS_* rows, a float32 or bf16 head without bias, each step's argmaxes
+ * come from the head's Q8 screen and the exact logits of its candidate tiles (head_screen.c: the same tokens, most
+ * of the head unread); where the screen declines, the whole head. *screened (may be NULL): the steps it answered.
  *
  * Returns llmd_decode_logits' codes; -1 (nothing written) also where a position would pass max_pos or the
  * table's width, or the head has more rows than the embedding (an argmax could not be fed back). A failure after

@@ -1,4 +1,4 @@
-/* Greedy decode's LM head at one row without reading all of it: the head's logits from a Q8 copy of its weights
+/* Greedy decode's LM head at a few rows without reading all of it: the head's logits from a Q8 copy of its weights
  * (llmd_q_linear: the Q8 weights exactly, times float32 x; half of bf16's bytes, a quarter of float32's), a bound on
  * how far each can be from the exact logit, and the exact logits of only the tiles of 32 rows that may hold the
  * largest. The answer is the whole head's: the first index of the largest exact logit, as llmd_argmax_rows picks.
@@ -11,8 +11,9 @@
  * so the largest s is at least T = max_v (a_v - e_v), and a row can be the largest (or tie with it) only if a_v +
  * e_v reaches T; with bf16 logits, which round each s_v to nearest (monotonic: a larger s never rounds lower), it
  * must round to at least bf16(T), so reach the midpoint below bf16(T). Every such row is in a candidate tile,
- * computed by the head's own kernel on that tile alone (the same bits as the whole head's call: the one-row walks
- * give each tile's outputs the same sums at any grouping, tested).
+ * computed by the head's own kernel on that tile alone, one row at a time (the same bits as the whole head's call:
+ * the one-row walks give each tile's outputs the same sums at any grouping, and a batched call's rows are the
+ * one-row call's, tested).
  *
  * Why: the head is a fifth of SmolLM2's bf16 weights (56.6 of 269 MB) and a fifth of float32's (113 of 538 MB). */
 #include <math.h>
@@ -133,7 +134,8 @@ int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void 
     if (failed) goto done;
     for (int64_t m = 0; m < M; m++) best[m] = -1;
     for (int64_t i = 0; i < n; i++) { /* each row's tiles in index order, rows in order: ties keep the first */
-        const int64_t m = cand[i] / tiles, t = cand[i] % tiles, end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
+        const int64_t m = cand[i] / tiles, t = cand[i] % tiles;
+        const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
         const float *row = exact + m * tiles * SCREEN_TILE;
         for (int64_t v = t * SCREEN_TILE; v < end; v++) {
             if (row[v] != row[v]) goto done; /* a NaN: the whole head's argmax has its own rule for it */

@@ -5,7 +5,7 @@
 
 typedef struct {
     const uint8_t *q8; /* the head's weights as Q8 blocks in llmd_q_linear's layout (llmd_q_pack, vnni = 0) */
-    const float *c_x1; /* per vocabulary row: how far its screened logit can be from the exact one per unit of sum |x| */
+    const float *c_x1; /* per vocabulary row: how far its screened logit can be from the exact one, per sum |x| */
     int64_t max_tiles; /* more candidate tiles than this: the caller computes the whole head */
 } llmd_head_screen;
 
