@@ -148,7 +148,7 @@ class DecodeLayers:
         whole = embed is not None and head is not None and embed.dtype == dtype and embed.is_contiguous()
         self.embed, self.head = (embed, head) if whole else (None, None)
         self.head_struct = _linear(head) if whole else None
-        # the head's screen answers greedy steps at one row (llmd_decode_greedy); `screened_steps` counts them
+        # the head's screen answers greedy steps at a few rows (llmd_decode_greedy); `screened_steps` counts them
         self.screen = screen if whole and head.bias is None else None
         self.screen_struct = self.screen.struct() if self.screen is not None else None
         self.screened_steps = 0

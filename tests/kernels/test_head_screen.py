@@ -1,7 +1,7 @@
 """The LM head's Q8 screen (kernels/csrc/head_screen.c, engine/models/head_screen.py): at each of a few rows its
 greedy token is the whole head's (the first index of the largest exact logit), through ties, near-ties and rows
-the screen cannot tell apart; where too many tiles may hold the largest it declines. Also through an engine: greedy tokens
-with the screen are the tokens without it, and the screen answered the bursts' steps."""
+the screen cannot tell apart; where too many tiles may hold the largest it declines. Also through an engine: greedy
+tokens with the screen are the tokens without it, and the screen answered the bursts' steps."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The LM head's screen for greedy decode at one row (kernels/csrc/head_screen.c): a Q8 copy of the head (exact Q8
-weights times float32 inputs) and, per vocabulary row, how far its screened logit can be from the exact one. The kernel then reads the Q8 copy and only
-the head's tiles that may hold the largest exact logit, and answers the whole head's greedy token."""
+"""The LM head's screen for greedy decode at a few rows (kernels/csrc/head_screen.c): a Q8 copy of the head (exact
+Q8 weights times float32 inputs) and, per vocabulary row, how far its screened logit can be from the exact one. The
+kernel then reads the Q8 copy and only the head's tiles that may hold the largest exact logit, and answers the whole
+head's greedy token."""
 
 from __future__ import annotations
 
