@@ -148,10 +148,11 @@ class DecodeLayers:
         whole = embed is not None and head is not None and embed.dtype == dtype and embed.is_contiguous()
         self.embed, self.head = (embed, head) if whole else (None, None)
         self.head_struct = _linear(head) if whole else None
-        # the head's screen answers greedy steps at a few rows (llmd_decode_greedy); `screened_steps` counts them
+        # the head's screen answers greedy steps at a few rows (llmd_decode_greedy): the steps it answered and the
+        # candidate tiles they computed (the head has ceil(vocab / 32))
         self.screen = screen if whole and head.bias is None else None
         self.screen_struct = self.screen.struct() if self.screen is not None else None
-        self.screened_steps = 0
+        self.screened_steps = self.screened_tiles = 0
 
     def _step_args(
         self,
@@ -295,15 +296,16 @@ class DecodeLayers:
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
         if model is None or args is None or steps < 1:
             return None
-        tokens, done, screened = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0), ctypes.c_int64(0)
+        tokens, done, screened = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0), (ctypes.c_int64 * 2)()
         flag = None if yield_flag is None else ctypes.byref(yield_flag)
         screen = None if self.screen_struct is None else ctypes.byref(self.screen_struct)
         rc = native_build.library().llmd_decode_greedy(
-            *model, screen, tokens, steps, flag, ctypes.byref(done), ctypes.byref(screened), *args[:-1]
+            *model, screen, tokens, steps, flag, ctypes.byref(done), screened, *args[:-1]
         )
         if not _ran(rc):
             return None
-        self.screened_steps += screened.value
+        self.screened_steps += screened[0]
+        self.screened_tiles += screened[1]
         flat = list(tokens)
         return [flat[n * steps : n * steps + done.value] for n in range(m)]
 

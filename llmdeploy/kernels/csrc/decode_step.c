@@ -296,7 +296,8 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
  *
  * screen (may be NULL): at up to SCREEN_MAX_ROWS_* rows, a float32 or bf16 head without bias, each step's argmaxes
  * come from the head's Q8 screen and the exact logits of its candidate tiles (head_screen.c: the same tokens, most
- * of the head unread); where the screen declines, the whole head. *screened (may be NULL): the steps it answered.
+ * of the head unread); where the screen declines, the whole head. screened (may be NULL): [0] the steps it
+ * answered, [1] the candidate tiles they computed (all rows).
  *
  * Returns llmd_decode_logits' codes; -1 (nothing written) also where a position would pass max_pos or the
  * table's width, or the head has more rows than the embedding (an argmax could not be fed back). A failure after
@@ -312,7 +313,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
         !embed || !linear_fits(head, act_bf16, head->n, E))
         return -1;
     *done = 0;
-    if (screened) *screened = 0;
+    if (screened) screened[0] = screened[1] = 0;
     for (int64_t n = 0; n < M; n++)
         if (positions[n] < 0 || positions[n] + steps > max_pos ||
             (positions[n] + steps - 1) / block_size >= bt_stride)
@@ -348,7 +349,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
             rc = head_logits(head, act_bf16, hidden, logits, M, q_bf16_min_rows, nthreads);
             if (!rc) rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
         }
-        if (by_screen && screened) *screened += 1;
+        if (by_screen && screened) screened[0] += 1, screened[1] += tiles;
         for (int64_t n = 0; n < M && rc == 0; n++) tokens[n * steps + j] = cur[n] = best[n];
         if (rc == 0) *done = j + 1;
     }
