@@ -290,7 +290,7 @@ class DecodeLayers:
         (the first index of its largest logit): [M][steps run] token ids; once `yield_flag` is non-zero the
         burst ends after the step under way. The block tables must cover every position up to positions + steps
         - 1. None (nothing written) where `logits` would decline or a position passes the tables or the rotary
-        cache."""
+        cache. With a head screen, steps of a few rows read the head through it (the same tokens)."""
         m = input_ids.numel()
         model = self._whole_model(input_ids)
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
