@@ -10,7 +10,8 @@
 # What each one decides: linear_rows the kernel thresholds in kernels/native_build.py (AMX_MIN_ROWS_DEFAULT,
 # TILE_AHEAD_ROWS_DEFAULT, ROW_STREAMS_AVX2 / ROW_STREAMS_AVX512, SIDE_ROWS_DEFAULT); engine_vs_hf the issue's
 # targets (W, S, shares of the ceilings, batch-1 against the bandwidth floor, TTFT, int8); small_batches and
-# bf16_decode decode at 1-16 concurrent requests; step_overhead the per-step CPU overhead; decode_attention the three
+# bf16_decode decode at 1-16 concurrent requests; step_overhead the per-step CPU overhead; head_screen the LM head's
+# screen on and off at 1-4 rows (SCREEN_MAX_ROWS_* in csrc/decode_step.c); decode_attention the three
 # K/V streams against the one-stream kernel they replaced (0.65-0.78x on Zen 2, 0.62-0.73x on Zen 4). The row streams
 # are best judged in engine steps alternating in one process (bench/RESULTS.md, "Zen 4 again"), not by linear_rows
 # alone.
@@ -18,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-bench/out/cpu-$(date +%Y%m%d-%H%M)}
 PY=${PY:-.venv/bin/python}
-ONLY=${ONLY:-linear_rows engine_vs_hf small_batches bf16_decode step_overhead decode_attention}
+ONLY=${ONLY:-linear_rows engine_vs_hf small_batches bf16_decode step_overhead head_screen decode_attention}
 mkdir -p "$OUT"
 
 run() { # name, then the command
@@ -34,6 +35,7 @@ run engine_vs_hf "$PY" bench/engine_vs_hf.py --repeat 2 --engine-only int8 --jso
 run small_batches "$PY" bench/small_batches.py
 run bf16_decode "$PY" bench/bf16_decode.py
 run step_overhead "$PY" bench/step_overhead.py --steps 40
+run head_screen "$PY" bench/head_screen.py
 case " $ONLY " in *" decode_attention "*)
   git show 4e0f334:llmdeploy/kernels/csrc/decode_attention.c >"$OUT/decode_attention_one_stream.c"
   run decode_attention "$PY" bench/decode_attention.py --baseline "$OUT/decode_attention_one_stream.c" ;;

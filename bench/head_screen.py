@@ -51,12 +51,11 @@ class Runs:
         )
 
 
-def layers_of(llm: LLM) -> DecodeLayers:
+def layers_of(llm: LLM) -> DecodeLayers | None:
+    """The engine's native decode step where it has a head screen, else None."""
     model = llm.engine.runner.model
-    layers = next(m.native_decode.layers for m in model.modules() if hasattr(m, "native_decode"))
-    if layers is None or layers.screen_struct is None:
-        raise SystemExit("no head screen here (no native decode step, or LLMDEPLOY_HEAD_SCREEN=0)")
-    return layers
+    layers = next((m.native_decode.layers for m in model.modules() if hasattr(m, "native_decode")), None)
+    return layers if layers is not None and layers.screen_struct is not None else None
 
 
 def alternate(
@@ -65,6 +64,7 @@ def alternate(
     """`rounds` pairs of runs of `steps` decode steps at `rows` sequences, the screen on and off in turn (floors at
     SmolLM2's shape)."""
     shape, layers = ceilings.smollm2_shape(), layers_of(llm)
+    assert layers is not None, "no head screen in this engine"
     on_struct, runs = layers.screen_struct, Runs()
     before = (layers.screened_steps, layers.screened_tiles)
     for r in range(rounds):
@@ -95,6 +95,9 @@ def main() -> None:
             [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         )  # builds the step
         head_tiles = -(-llm.engine.arch.vocab_size // 32)
+        if layers_of(llm) is None:
+            print(f"[{dtype}] no head screen here (no native decode step, or LLMDEPLOY_HEAD_SCREEN=0)")
+            continue
         for rows in (int(r) for r in args.rows.split(",")):
             print(
                 f"[{dtype}] " + alternate(llm, dtype, rows, args.rounds, args.steps).line(rows, head_tiles),
