@@ -7,13 +7,13 @@
  *   |x.w - x.w^| <= sum |x| * max |w - w^|,
  * plus the float32 rounding of the two sums (a few K units of float32's epsilon on sum |x| max |w|). The Python side
  * folds the row's part into c_x1[v] (engine/models/head_screen.py); here e_v = c_x1[v] sum |x|, with a 0.1% margin
- * for the float arithmetic of the bound itself. The head kernel's sum s_v is then within e_v of the screened a_v,
- * so the largest s is at least T = max_v (a_v - e_v), and a row can be the largest (or tie with it) only if a_v +
- * e_v reaches T; with bf16 logits, which round each s_v to nearest (monotonic: a larger s never rounds lower), it
- * must round to at least bf16(T), so reach the midpoint below bf16(T). Every such row is in a candidate tile,
- * computed by the head's own kernel on that tile alone, one row at a time (the same bits as the whole head's call:
- * the one-row walks give each tile's outputs the same sums at any grouping, and a batched call's rows are the
- * one-row call's, tested).
+ * for the float arithmetic of the bound itself and an absolute TINY_SLACK for flushed subnormals. The head kernel's
+ * sum s_v is then within e_v of the screened a_v, so the largest s is at least T = max_v (a_v - e_v), and a row can
+ * be the largest (or tie with it) only if a_v + e_v reaches T; with bf16 logits, which round each s_v to nearest
+ * (monotonic: a larger s never rounds lower), it must round to at least bf16(T), so reach the midpoint below
+ * bf16(T). Every such row is in a candidate tile, computed by the head's own kernel on that tile alone, one row at
+ * a time (the same bits as the whole head's call: the one-row walks give each tile's outputs the same sums at any
+ * grouping, and a batched call's rows are the one-row call's, tested).
  *
  * Why: the head is a fifth of SmolLM2's bf16 weights (56.6 of 269 MB) and a fifth of float32's (113 of 538 MB). */
 #include <math.h>
@@ -24,6 +24,9 @@
 
 #define SCREEN_TILE 32  /* rows of a packed tile (F32_NR / BF16_NR) */
 #define SCREEN_BLOCK 32 /* inputs of a Q8 block (QB) */
+/* vdpbf16ps treats subnormal inputs as zero and flushes subnormal sums: an error of at most K * 2^-126 that the
+ * relative bound does not cover where sum |x| itself is tiny */
+#define TINY_SLACK 1e-30f
 
 int llmd_f32_linear(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t, int);
 int llmd_bf16_linear(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
@@ -85,7 +88,7 @@ static int64_t row_candidates(const llmd_head_screen *s, int act_bf16, const flo
     const float x1m = x1 * 1.001f;
     float floor_max = -INFINITY; /* T: the largest exact logit is at least this */
     for (int64_t v = 0; v < V; v++) {
-        const float lo = a[v] - s->c_x1[v] * x1m;
+        const float lo = a[v] - (s->c_x1[v] * x1m + TINY_SLACK);
         floor_max = lo > floor_max ? lo : floor_max;
     }
     if (!isfinite(floor_max)) return -1;
@@ -94,7 +97,7 @@ static int64_t row_candidates(const llmd_head_screen *s, int act_bf16, const flo
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
         for (int64_t v = t * SCREEN_TILE; v < end; v++)
-            if (a[v] + s->c_x1[v] * x1m >= reach) {
+            if (a[v] + (s->c_x1[v] * x1m + TINY_SLACK) >= reach) {
                 if (n - first == s->max_tiles) return -1;
                 cand[n++] = m * tiles + t;
                 break;
