@@ -150,7 +150,7 @@ class DecodeLayers:
         self.head_struct = _linear(head) if whole else None
         # the head's screen answers greedy steps at a few rows (llmd_decode_greedy): the steps it answered and the
         # candidate tiles they computed (the head has ceil(vocab / 32))
-        self.screen = screen if whole and head.bias is None else None
+        self.screen = screen if whole else None
         self.screen_struct = self.screen.struct() if self.screen is not None else None
         self.screened_steps = self.screened_tiles = 0
 

@@ -28,8 +28,9 @@ from llmdeploy.kernels.cpu_flags import cpuinfo_lines
 
 log = logging.getLogger(__name__)
 
+CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name
+    CSRC / name
     for name in (
         "cpu_kernels.c",
         "decode_attention.c",
@@ -50,7 +51,7 @@ SOURCES = tuple(
 )
 # in the build key too: a change to one rebuilds
 HEADERS = tuple(
-    Path(__file__).with_name("csrc") / name
+    CSRC / name
     for name in (
         "unroll.h",
         "avx2_tiles.h",

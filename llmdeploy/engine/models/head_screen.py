@@ -10,7 +10,7 @@ import os
 import torch
 
 from llmdeploy.engine.models.quant import quantize_q8
-from llmdeploy.kernels import native_quant
+from llmdeploy.kernels import cpu_native, native_quant
 from llmdeploy.kernels.decode_step import HeadScreen
 from llmdeploy.kernels.native_quant import Q_BLOCK, QFormat
 
@@ -18,7 +18,6 @@ ENV_SWITCH = "LLMDEPLOY_HEAD_SCREEN"  # =0: the whole head at every greedy step 
 # candidate tiles beyond this share of the head's: the screen declines and the whole head runs (a flat
 # distribution; then reading candidates would cost about what it saves)
 MAX_TILE_SHARE = 0.25
-TILE = 32  # rows of a packed head tile (F32_TILE)
 EPS32 = 2.0**-24  # float32's unit roundoff
 
 
@@ -51,4 +50,4 @@ def build(weight: torch.Tensor) -> HeadScreen | None:
     packed = native_quant.q_pack(QFormat.Q8, blocks.q, blocks.d, None, vnni=False)
     if packed is None:
         return None
-    return HeadScreen(packed.data, c_x1, int(-(-vocab // TILE) * MAX_TILE_SHARE))
+    return HeadScreen(packed.data, c_x1, int(-(-vocab // cpu_native.F32_TILE) * MAX_TILE_SHARE))
