@@ -38,10 +38,12 @@ WEIGHTS_PER_LAYER = 269_000_000 // LAYERS  # bytes of SmolLM2's bf16 weights a l
 
 
 def compiled(source: Path, out_dir: Path):
-    """`source` (a decode_attention.c) built alone, as cpu_native builds the library"""
+    """`source` (a decode_attention.c) built with the current bf16 passes it may call, as native_build builds the
+    library"""
     out = out_dir / f"{source.stem}.so"
-    cc, csrc = native_build.compiler(), native_build.SOURCES[0].parent
-    subprocess.run([cc, *native_build.FLAGS, f"-I{csrc}", str(source), "-o", str(out)], check=True)
+    cc, csrc = native_build.compiler(), native_build.CSRC
+    sources = [str(source), str(csrc / "decode_attention_bf16.c")]
+    subprocess.run([cc, *native_build.FLAGS, f"-I{csrc}", *sources, "-o", str(out)], check=True)
     fn = ctypes.CDLL(str(out)).llmd_paged_decode_attention
     fn.argtypes, fn.restype = native_build.SIGNATURES["llmd_paged_decode_attention"], ctypes.c_int
     return fn
@@ -78,7 +80,9 @@ class Case:
             (torch.randperm(blocks - 1)[: batch * per].view(batch, per) + 1).to(torch.int32).contiguous()
         )
         self.lens = torch.full((batch,), context, dtype=torch.int32)
-        self.q, self.out = torch.randn(batch, HEADS, HEAD_DIM), torch.empty(batch, HEADS, HEAD_DIM)
+        # a bf16 model's queries are bf16 values (the bf16 passes take only those)
+        self.q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype).float()
+        self.out = torch.empty(batch, HEADS, HEAD_DIM)
 
     def run(self, fn, flush: torch.Tensor | None = None) -> float:
         """one call a layer; seconds in the calls. With `flush` ([layers, n] float32), its row for a layer is read

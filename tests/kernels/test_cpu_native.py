@@ -74,6 +74,31 @@ def test_decode_matches_gather(lens, hkv, group, head_dim, block_size, dtype):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("lens,hkv,group,head_dim,block_size", CASES)
+def test_decode_bf16_cache_with_bf16_queries_matches_gather(lens, hkv, group, head_dim, block_size):
+    """A bf16 model's queries are bf16 values: on AVX-512 BF16 CPUs its cache takes the vdpbf16ps score pass and
+    the register-blocked P.V (decode_attention_bf16.c, head dims 32-128 and 64 / 128), elsewhere the 8-lane passes;
+    either way the result is the definition's in float32 math."""
+    k, v, bt, cl = paged(
+        lens, hkv, head_dim, block_size, torch.bfloat16, share=1 if len(lens) > 1 and min(lens) > 32 else 0
+    )
+    q = torch.randn(len(lens), hkv * group, head_dim).bfloat16().float()
+    out = native_attention.decode_attention(q, k, v, bt, cl, head_dim**-0.5)
+    assert out is not None and out.shape == q.shape
+    ref = ops.decode_by_gather(q, k.float(), v.float(), bt, cl, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
+
+
+def test_decode_bf16_passes_answer_tiny_and_huge_scores():
+    """Scores far apart (one token dominating) and a context of one token through the bf16 passes: the softmax's
+    maximum and the masked lanes past the last token still hold."""
+    k, v, bt, cl = paged([1, 9, 40], 3, 64, 16, torch.bfloat16)
+    q = (torch.randn(3, 9, 64) * 30).bfloat16().float()
+    out = native_attention.decode_attention(q, k, v, bt, cl, 0.125)
+    ref = ops.decode_by_gather(q, k.float(), v.float(), bt, cl, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-4)
+
+
 def test_decode_strided_query_and_bf16_query():
     k, v, bt, cl = paged([50, 9], 3, 64, 16)
     qkv = torch.randn(2, 9 + 6, 64)

@@ -4,6 +4,12 @@
  * merged flash-decoding style (max, sum, rescaled partial outputs). */
 #include "lanes.h"
 
+/* decode_attention_bf16.c: the passes over a bf16 cache on AVX-512 BF16 CPUs, -1 where they do not apply */
+int llmd_attn_scores_bf16(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, int64_t,
+                          int64_t, float, float *, int64_t, float *);
+int llmd_attn_pv_bf16(const void *, const int64_t *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t,
+                      float *);
+
 #define MAX_GROUP 8 /* query heads of one kv head in one register block (wider groups: head_block) */
 /* token ranges of one item read side by side (K in the score pass, V in P.V), each in token order: one stream a
  * core left memory idle (below). G * streams sums (probabilities), a row of each stream and one more vector within
@@ -169,23 +175,17 @@ static void token_slots(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     }
 }
 
-/* Tokens [t0, t1) of sequence b, all heads: unnormalised softmax stats and P.V.
- * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
- * One item covers every kv head, so K and V are each read token row by token row, in order (row_scores).
- * Scratch: H * n scores, then n slots. */
-static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
-                        float *m, float *l, float *acc) {
-    const int64_t D = a->head_dim, H = a->num_heads, n = t1 - t0;
+/* scores[hq * n8 + i] = scale * q_hq . k_i for the n tokens at `slots`, m[hq] their maximum: 8 tokens at a time
+ * in each stream (a range of whole groups of 8 tokens), per query head one 8-lane partial sum a token, reduced
+ * together. The lanes past the end of the last group repeat its first token: harmless for the max, and masked out
+ * of the sums after. */
+static void scores_8lanes(const DecodeArgs *a, const float *qsrc, const int64_t *slots, int64_t n, int64_t n8,
+                          float *scores, float *m) {
+    const int64_t D = a->head_dim, H = a->num_heads;
     float q[H * D];
-    const float *qsrc = a->q + b * a->q_row_stride;
     for (int64_t i = 0; i < H * D; i++) q[i] = qsrc[i] * a->scale;
-    token_slots(a, b, t0, t1, slots);
-    const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
     v8 mv[MAX_HEADS];
     for (int64_t hq = 0; hq < H; hq++) mv[hq] = v8_set1(-FLT_MAX);
-    /* scores: 8 tokens at a time in each stream (a range of whole groups of 8 tokens), per query head one 8-lane
-     * partial sum a token, reduced together. The lanes past the end of the last group repeat its first token:
-     * harmless for the max, and masked out of the sums below. */
     const int64_t groups = n8 / 8;
     int streams = H <= KV_STREAM_HEADS ? KV_STREAMS(a->head_block) : 1;
     if (streams > groups) streams = (int)groups;
@@ -208,9 +208,49 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
             }
         }
     }
+    for (int64_t hq = 0; hq < H; hq++) m[hq] = v8_hmax(mv[hq]);
+}
+
+/* acc[hq * D + d] = sum over the n tokens at `slots` of probs[hq * n8 + i] * v_i: V row by row in order in each of
+ * the streams (token ranges) side by side, one token of each at a time (the sums add the streams' tokens in turn).
+ * With three streams the hardware prefetcher keeps up: the software prefetch of each stream's row 4 ahead (what one
+ * stream needed) only cost: float32 1-10% slower with it, bf16 within noise (bench/decode_attention.py, Zen 2). */
+static void pv_8lanes(const DecodeArgs *a, const int64_t *slots, int64_t n, const float *probs, int64_t n8,
+                      float *acc) {
+    const int64_t D = a->head_dim, H = a->num_heads;
+    const int groups = (int)(n8 / 8), most = H <= KV_STREAM_HEADS ? KV_STREAMS(a->head_block) : 1;
+    const int streams = most > groups ? groups : most;
+    memset(acc, 0, sizeof(float) * H * D);
+    const int64_t span = (n + streams - 1) / streams; /* tokens a stream */
+    for (int64_t step = 0; step < span; step++) {
+        const char *rows[KV_STREAMS_MAX];
+        const float *p[KV_STREAMS_MAX];
+        int live = 0;
+        for (int s = 0; s < streams && s * span + step < n; s++, live++) {
+            const int64_t i = s * span + step;
+            rows[s] = token_row(a, a->v_cache, slots[i]);
+            p[s] = probs + i;
+        }
+        row_pv(a, rows, live, p, n8, acc);
+    }
+}
+
+/* Tokens [t0, t1) of sequence b, all heads: unnormalised softmax stats and P.V.
+ * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
+ * One item covers every kv head, so K and V are each read token row by token row, in order. A bf16 cache takes
+ * the AVX-512 BF16 passes where they apply (decode_attention_bf16.c), else the 8-lane ones.
+ * Scratch: H * n scores, then n slots. */
+static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
+                        float *m, float *l, float *acc) {
+    const int64_t D = a->head_dim, H = a->num_heads, Hkv = a->num_kv_heads, n = t1 - t0;
+    const float *q = a->q + b * a->q_row_stride;
+    token_slots(a, b, t0, t1, slots);
+    const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
+    const int bf16 = a->cache_bf16 && llmd_attn_scores_bf16(q, a->k_cache, a->v_cache, slots, n, H, Hkv, D, a->scale,
+                                                            scores, n8, m) == 0;
+    if (!bf16) scores_8lanes(a, q, slots, n, n8, scores, m);
     for (int64_t hq = 0; hq < H; hq++) {
         float *s = scores + hq * n8;
-        m[hq] = v8_hmax(mv[hq]);
         const v8 neg_m = v8_set1(-m[hq]);
         v8 sum = v8_zero();
         for (int64_t i = 0; i < n8; i += 8) {
@@ -226,23 +266,8 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
         }
         l[hq] = v8_hsum(sum);
     }
-    /* P.V, V row by row in order in each of the streams (token ranges) side by side, one token of each at a time
-     * (the sums add the streams' tokens in turn). With three streams the hardware prefetcher keeps up: the software
-     * prefetch of each stream's row 4 ahead (what one stream needed) only cost: float32 1-10% slower with it,
-     * bf16 within noise (bench/decode_attention.py, Zen 2). */
-    memset(acc, 0, sizeof(float) * H * D);
-    const int64_t span = (n + streams - 1) / streams; /* tokens a stream */
-    for (int64_t step = 0; step < span; step++) {
-        const char *rows[KV_STREAMS_MAX];
-        const float *p[KV_STREAMS_MAX];
-        int live = 0;
-        for (int s = 0; s < streams && s * span + step < n; s++, live++) {
-            const int64_t i = s * span + step;
-            rows[s] = token_row(a, a->v_cache, slots[i]);
-            p[s] = scores + i;
-        }
-        row_pv(a, rows, live, p, n8, acc);
-    }
+    if (!bf16 || llmd_attn_pv_bf16(a->v_cache, slots, n, scores, n8, H, Hkv, D, acc) != 0)
+        pv_8lanes(a, slots, n, scores, n8, acc);
 }
 
 /* splits per sequence: only when sequences alone would leave threads idle or unevenly loaded, the fewest that
