@@ -38,11 +38,11 @@ WEIGHTS_PER_LAYER = 269_000_000 // LAYERS  # bytes of SmolLM2's bf16 weights a l
 
 
 def compiled(source: Path, out_dir: Path):
-    """`source` (a decode_attention.c) built with the current bf16 passes it may call, as native_build builds the
+    """`source` (a decode_attention.c) built with the current AVX-512 passes it may call, as native_build builds the
     library"""
     out = out_dir / f"{source.stem}.so"
     cc, csrc = native_build.compiler(), native_build.CSRC
-    sources = [str(source), str(csrc / "decode_attention_bf16.c")]
+    sources = [str(source), str(csrc / "decode_attention_avx512.c")]
     subprocess.run([cc, *native_build.FLAGS, f"-I{csrc}", *sources, "-o", str(out)], check=True)
     fn = ctypes.CDLL(str(out)).llmd_paged_decode_attention
     fn.argtypes, fn.restype = native_build.SIGNATURES["llmd_paged_decode_attention"], ctypes.c_int

@@ -34,7 +34,7 @@ SOURCES = tuple(
     for name in (
         "cpu_kernels.c",
         "decode_attention.c",
-        "decode_attention_bf16.c",
+        "decode_attention_avx512.c",
         "fused_ops.c",
         "linear_avx512.c",
         "q_linear.c",

@@ -77,7 +77,7 @@ def test_decode_matches_gather(lens, hkv, group, head_dim, block_size, dtype):
 @pytest.mark.parametrize("lens,hkv,group,head_dim,block_size", CASES)
 def test_decode_bf16_cache_with_bf16_queries_matches_gather(lens, hkv, group, head_dim, block_size):
     """A bf16 model's queries are bf16 values: on AVX-512 BF16 CPUs its cache takes the vdpbf16ps score pass and
-    the register-blocked P.V (decode_attention_bf16.c, head dims 32-128 and 64 / 128), elsewhere the 8-lane passes;
+    the register-blocked P.V (decode_attention_avx512.c, head dims 32-128 and 64 / 128), elsewhere the 8-lane passes;
     either way the result is the definition's in float32 math."""
     k, v, bt, cl = paged(
         lens, hkv, head_dim, block_size, torch.bfloat16, share=1 if len(lens) > 1 and min(lens) > 32 else 0

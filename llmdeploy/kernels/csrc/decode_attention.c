@@ -4,11 +4,11 @@
  * merged flash-decoding style (max, sum, rescaled partial outputs). */
 #include "lanes.h"
 
-/* decode_attention_bf16.c: the passes over a bf16 cache on AVX-512 BF16 CPUs, -1 where they do not apply */
-int llmd_attn_scores_bf16(const float *, const void *, const void *, const int64_t *, int64_t, int64_t, int64_t,
-                          int64_t, float, float *, int64_t, float *);
-int llmd_attn_pv_bf16(const void *, const int64_t *, int64_t, const float *, int64_t, int64_t, int64_t, int64_t,
-                      float *);
+/* decode_attention_avx512.c: the passes on AVX-512 CPUs, -1 where they do not apply */
+int llmd_attn_scores_avx512(int, const float *, const void *, const void *, const int64_t *, int64_t, int64_t,
+                            int64_t, int64_t, float, float *, int64_t, float *);
+int llmd_attn_pv_avx512(int, const void *, const int64_t *, int64_t, const float *, int64_t, int64_t, int64_t,
+                        int64_t, float *);
 
 #define MAX_GROUP 8 /* query heads of one kv head in one register block (wider groups: head_block) */
 /* token ranges of one item read side by side (K in the score pass, V in P.V), each in token order: one stream a
@@ -237,8 +237,8 @@ static void pv_8lanes(const DecodeArgs *a, const int64_t *slots, int64_t n, cons
 
 /* Tokens [t0, t1) of sequence b, all heads: unnormalised softmax stats and P.V.
  * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
- * One item covers every kv head, so K and V are each read token row by token row, in order. A bf16 cache takes
- * the AVX-512 BF16 passes where they apply (decode_attention_bf16.c), else the 8-lane ones.
+ * One item covers every kv head, so K and V are each read token row by token row, in order. The AVX-512 passes run
+ * where they apply (decode_attention_avx512.c), else the 8-lane ones.
  * Scratch: H * n scores, then n slots. */
 static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
                         float *m, float *l, float *acc) {
@@ -246,9 +246,9 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
     const float *q = a->q + b * a->q_row_stride;
     token_slots(a, b, t0, t1, slots);
     const int64_t n8 = (n + 7) / 8 * 8; /* scores of one head: n, padded to whole groups of 8 */
-    const int bf16 = a->cache_bf16 && llmd_attn_scores_bf16(q, a->k_cache, a->v_cache, slots, n, H, Hkv, D, a->scale,
-                                                            scores, n8, m) == 0;
-    if (!bf16) scores_8lanes(a, q, slots, n, n8, scores, m);
+    const int wide = llmd_attn_scores_avx512(a->cache_bf16, q, a->k_cache, a->v_cache, slots, n, H, Hkv, D, a->scale,
+                                             scores, n8, m) == 0;
+    if (!wide) scores_8lanes(a, q, slots, n, n8, scores, m);
     for (int64_t hq = 0; hq < H; hq++) {
         float *s = scores + hq * n8;
         const v8 neg_m = v8_set1(-m[hq]);
@@ -266,7 +266,7 @@ static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, 
         }
         l[hq] = v8_hsum(sum);
     }
-    if (!bf16 || llmd_attn_pv_bf16(a->v_cache, slots, n, scores, n8, H, Hkv, D, acc) != 0)
+    if (!wide || llmd_attn_pv_avx512(a->cache_bf16, a->v_cache, slots, n, scores, n8, H, Hkv, D, acc) != 0)
         pv_8lanes(a, slots, n, scores, n8, acc);
 }
 
