@@ -11,8 +11,9 @@
 # TILE_AHEAD_ROWS_DEFAULT, ROW_STREAMS_AVX2 / ROW_STREAMS_AVX512, SIDE_ROWS_DEFAULT); engine_vs_hf the issue's
 # targets (W, S, shares of the ceilings, batch-1 against the bandwidth floor, TTFT, int8); small_batches and
 # bf16_decode decode at 1-16 concurrent requests; step_overhead the per-step CPU overhead; head_screen the LM head's
-# screen on and off at 1-4 rows (SCREEN_MAX_ROWS_* in csrc/decode_step.c); decode_attention the three
-# K/V streams against the one-stream kernel they replaced (0.65-0.78x on Zen 2, 0.62-0.73x on Zen 4). The row streams
+# screen on and off at 1-4 rows (SCREEN_MAX_ROWS_* in csrc/decode_step.c); decode_attention the AVX-512 passes
+# (csrc/decode_attention_avx512.c) against the 8-lane kernel before them (fd48fb8; Zen 4: bf16 0.76-0.87x behind the
+# weight stream, float32 0.94-0.99x; on a CPU with two 512-bit FMA ports float32 is the open question). The row streams
 # are best judged in engine steps alternating in one process (bench/RESULTS.md, "Zen 4 again"), not by linear_rows
 # alone.
 set -euo pipefail
@@ -37,7 +38,7 @@ run bf16_decode "$PY" bench/bf16_decode.py
 run step_overhead "$PY" bench/step_overhead.py --steps 40
 run head_screen "$PY" bench/head_screen.py
 case " $ONLY " in *" decode_attention "*)
-  git show 4e0f334:llmdeploy/kernels/csrc/decode_attention.c >"$OUT/decode_attention_one_stream.c"
-  run decode_attention "$PY" bench/decode_attention.py --baseline "$OUT/decode_attention_one_stream.c" ;;
+  git show fd48fb8:llmdeploy/kernels/csrc/decode_attention.c >"$OUT/decode_attention_8_lanes.c"
+  run decode_attention "$PY" bench/decode_attention.py --baseline "$OUT/decode_attention_8_lanes.c" ;;
 esac
 echo "outputs in $OUT"
