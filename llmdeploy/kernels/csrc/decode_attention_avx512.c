@@ -118,15 +118,16 @@ int llmd_attn_scores_avx512(int bf16, const float *q, const void *k_cache, const
                             float *m) {
     if (D % 32 || D > 128 || H % Hkv || n < 1) return -1;
     const char *k = k_cache, *v = v_cache;
+    /* vectors a head's row takes: D / 16 of float32, D / 32 of bf16 pairs; each D its own constant */
+#define SCORES(QV, BF16)                                                                                         \
+    switch (D / 32) {                                                                                            \
+    case 1: scores_pass(QV, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, BF16, 2 - BF16); break;             \
+    case 2: scores_pass(QV, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, BF16, 2 * (2 - BF16)); break;       \
+    case 3: scores_pass(QV, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, BF16, 3 * (2 - BF16)); break;       \
+    default: scores_pass(QV, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, BF16, 4 * (2 - BF16));             \
+    }
     if (!bf16) {
-#define SCORES(VZ) scores_pass(q, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, 0, VZ)
-        switch (D / 32) {
-        case 1: SCORES(2); break;
-        case 2: SCORES(4); break;
-        case 3: SCORES(6); break;
-        default: SCORES(8);
-        }
-#undef SCORES
+        SCORES(q, 0)
         return 0;
     }
 #if defined(__AVX512BF16__)
@@ -137,18 +138,12 @@ int llmd_attn_scores_avx512(int bf16, const float *q, const void *k_cache, const
         if (bits & 0xFFFF) return -1;
         qb[i] = (uint16_t)(bits >> 16);
     }
-#define SCORES(VZ) scores_pass(qb, k, v, slots, n, H, Hkv, D, scale, scores, n8, m, 1, VZ)
-    switch (D / 32) {
-    case 1: SCORES(1); break;
-    case 2: SCORES(2); break;
-    case 3: SCORES(3); break;
-    default: SCORES(4);
-    }
-#undef SCORES
+    SCORES(qb, 1)
     return 0;
 #else
     return -1;
 #endif
+#undef SCORES
 }
 
 /* GB query heads (D16 vectors each) of one kv head over tokens [c0, c1): acc[g * D ..] += sum p_g[t] * v_t, the
