@@ -57,6 +57,8 @@ CASES = [  # (lens, kv heads, group, head dim, block size)
     ([3, 70], 8, 2, 96, 16),
     ([70, 9], 2, 40, 16, 16),  # 80 heads: past KV_STREAM_HEADS, one stream a split
     ([23, 95, 2], 3, 3, 64, 8),  # token ranges of 24, 96 and 8 tokens split three ways unevenly
+    ([300, 5], 2, 4, 128, 16),  # head dim 128 in groups of 4: the AVX-512 P.V's blocks of 2 heads
+    ([130, 17], 1, 8, 64, 16),  # 8 heads on one kv head: the AVX-512 P.V's blocks of 6 and 2
 ]
 
 
