@@ -336,24 +336,25 @@ int llmd_paged_decode_attention(const float *q, int64_t q_row_stride, const void
                 }
             }
         free(scores);
-    }
-    if (!failed && S > 1) {
-#pragma omp parallel for collapse(2) num_threads(nthreads)
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t hq = 0; hq < H; hq++) {
-                const float *p0 = part + b * S * part_size;
-                float mx = -FLT_MAX, total = 0.0f;
-                for (int64_t s = 0; s < S; s++) mx = fmaxf(mx, p0[s * part_size + hq]);
-                float *o = out + (b * H + hq) * D;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                for (int64_t s = 0; s < S; s++) {
-                    const float *p = p0 + s * part_size;
-                    const float w = p[H + hq] > 0.0f ? expf(p[hq] - mx) : 0.0f;
-                    total += w * p[H + hq];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * p[2 * H + hq * D + d];
+        /* the merge in the same region: one fork and join a call (the for above ends at a barrier) */
+        if (!failed && S > 1) {
+#pragma omp for collapse(2)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t hq = 0; hq < H; hq++) {
+                    const float *p0 = part + b * S * part_size;
+                    float mx = -FLT_MAX, total = 0.0f;
+                    for (int64_t s = 0; s < S; s++) mx = fmaxf(mx, p0[s * part_size + hq]);
+                    float *o = out + (b * H + hq) * D;
+                    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                    for (int64_t s = 0; s < S; s++) {
+                        const float *p = p0 + s * part_size;
+                        const float w = p[H + hq] > 0.0f ? expf(p[hq] - mx) : 0.0f;
+                        total += w * p[H + hq];
+                        for (int64_t d = 0; d < D; d++) o[d] += w * p[2 * H + hq * D + d];
+                    }
+                    for (int64_t d = 0; d < D; d++) o[d] /= total;
                 }
-                for (int64_t d = 0; d < D; d++) o[d] /= total;
-            }
+        }
     }
     free(part);
     return failed ? -1 : 0;
