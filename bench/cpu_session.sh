@@ -13,7 +13,7 @@
 # bf16_decode decode at 1-16 concurrent requests; step_overhead the per-step CPU overhead; head_screen the LM head's
 # screen on and off at 1-4 rows (SCREEN_MAX_ROWS_* in csrc/decode_step.c); decode_attention the AVX-512 passes
 # (csrc/decode_attention_avx512.c) against the 8-lane kernel before them (fd48fb8; Zen 4: bf16 0.76-0.87x behind the
-# weight stream, float32 0.94-0.99x; on a CPU with two 512-bit FMA ports float32 is the open question). The row streams
+# weight stream, float32 even; on a CPU with two 512-bit FMA ports float32 is the open question). The row streams
 # are best judged in engine steps alternating in one process (bench/RESULTS.md, "Zen 4 again"), not by linear_rows
 # alone.
 set -euo pipefail
