@@ -240,15 +240,13 @@ static int decode_hidden(int act_bf16, int64_t n_layers, const llmd_layer *L, co
                               nthreads);
 }
 
-/* hidden [M, E] through the head: float32 logits [M, head->n] (bf16 logits widened) */
-static int head_logits(const llmd_linear *head, int act_bf16, const char *hidden, float *logits, int64_t M,
-                       int64_t q_bf16_min_rows, int nthreads) {
+/* hidden [M, E] through the head: float32 logits [M, head->n] (bf16 logits widened from head16, [M, head->n]
+ * scratch the caller allocates once; NULL in float32) */
+static int head_logits(const llmd_linear *head, int act_bf16, const char *hidden, float *logits, uint16_t *head16,
+                       int64_t M, int64_t q_bf16_min_rows, int nthreads) {
     if (!act_bf16) return linear(head, 0, hidden, logits, M, q_bf16_min_rows, nthreads);
-    uint16_t *head16 = malloc(2 * (size_t)(M * head->n));
-    if (!head16) return -3;
     const int rc = linear(head, 1, hidden, head16, M, q_bf16_min_rows, nthreads);
     if (!rc) widen(head16, logits, M * head->n);
-    free(head16);
     return rc;
 }
 
@@ -270,13 +268,14 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
     if (M < 1 || !final_norm || !embed || !head || !linear_fits(head, act_bf16, head->n, E) || head->n < 1) return -1;
     const size_t es = act_bf16 ? 2 : 4;
     char *hidden = malloc(es * (size_t)(M * E)), *residual = malloc(es * (size_t)(M * E));
+    uint16_t *head16 = act_bf16 ? malloc(2 * (size_t)(M * head->n)) : NULL;
     int rc = -3;
-    if (hidden && residual)
+    if (hidden && residual && (head16 || !act_bf16))
         rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, vocab, ids, hidden, residual, M, E, H, Hkv, D, I,
                            eps, positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale,
                            q_bf16_min_rows, nthreads);
-    if (!rc) rc = head_logits(head, act_bf16, hidden, logits, M, q_bf16_min_rows, nthreads);
-    free(hidden), free(residual);
+    if (!rc) rc = head_logits(head, act_bf16, hidden, logits, head16, M, q_bf16_min_rows, nthreads);
+    free(hidden), free(residual), free(head16);
     return rc;
 }
 
@@ -326,8 +325,9 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
     int32_t *lens_j = malloc(sizeof(int32_t) * (size_t)M);
     float *logits = malloc(sizeof(float) * (size_t)(M * head->n));
     char *hidden = malloc(es * (size_t)(M * E)), *residual = malloc(es * (size_t)(M * E));
+    uint16_t *head16 = act_bf16 ? malloc(2 * (size_t)(M * head->n)) : NULL;
     int rc = -3;
-    if (!cur || !lens_j || !logits || !hidden || !residual) goto done;
+    if (!cur || !lens_j || !logits || !hidden || !residual || (act_bf16 && !head16)) goto done;
     int64_t *pos = cur + M, *slots = cur + 2 * M, *best = cur + 3 * M;
     memcpy(cur, ids, sizeof(int64_t) * (size_t)M);
     rc = 0;
@@ -346,7 +346,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                               llmd_head_screen_argmax(screen, act_bf16, head->w, head->n, E, hidden, M, best, &tiles,
                                                       nthreads) == 0;
         if (!rc && !by_screen) {
-            rc = head_logits(head, act_bf16, hidden, logits, M, q_bf16_min_rows, nthreads);
+            rc = head_logits(head, act_bf16, hidden, logits, head16, M, q_bf16_min_rows, nthreads);
             if (!rc) rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
         }
         if (by_screen && screened) screened[0] += 1, screened[1] += tiles;
@@ -354,6 +354,6 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
         if (rc == 0) *done = j + 1;
     }
 done:
-    free(cur), free(lens_j), free(logits), free(hidden), free(residual);
+    free(cur), free(lens_j), free(logits), free(hidden), free(residual), free(head16);
     return rc;
 }
