@@ -307,6 +307,16 @@ def amx_linear_rows() -> int:
     return 0 if lib is None else lib.llmd_amx_configure(amx_min_rows())
 
 
+def amx_can_run() -> bool:
+    """Whether the AMX linear can run here at all (AMX-BF16 and Linux's grant), whatever the row setting says."""
+    lib = library()
+    if lib is None:
+        return False
+    can = lib.llmd_amx_configure(1) > 0
+    lib.llmd_amx_configure(amx_min_rows())
+    return can
+
+
 def row_streams(lib) -> int:
     """Tiles a one-row linear reads side by side: LLMDEPLOY_ROW_STREAMS, else what the kernels this CPU runs took."""
     return env_rows(STREAMS_ENV, ROW_STREAMS_AVX512 if lib.llmd_has_avx512() else ROW_STREAMS_AVX2)

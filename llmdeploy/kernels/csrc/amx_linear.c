@@ -22,6 +22,9 @@
 #define AMX_M_BLOCK 256 /* rows whose inputs stay in L2 while a thread walks its weight tiles */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+#ifndef LLMD_AMX_REQUEST_TILES /* the tests' emulated build (tests/kernels/emulated/amx_tiles.h) grants its own */
+#define LLMD_AMX_REQUEST_TILES() (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+#endif
 
 typedef struct {
     __m512 b0, b1;
@@ -43,7 +46,7 @@ static int amx_state;        /* 0 not asked yet, 1 granted, -1 refused */
  * at load, before any parallel region, so the statics are never raced. */
 int llmd_amx_configure(int min_rows) {
     if (min_rows > 0 && !amx_state)
-        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        amx_state = LLMD_AMX_REQUEST_TILES() ? 1 : -1;
     amx_min_rows = amx_state > 0 && min_rows > 0 ? min_rows : 0;
     return (int)amx_min_rows;
 }

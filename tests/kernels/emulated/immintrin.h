@@ -2,7 +2,8 @@
  * AVX-512 F/BW/VL/VNNI/BF16 included, from SIMDe (Debian's libsimde-dev) in portable C, so the AVX-512 code paths
  * run, slowly, on any CPU and a session on an AVX2-only machine still tests them. The functions below are the ones
  * SIMDe 0.7.4 lacks, written lane by lane from Intel's definitions; _mm512_roundscale_ps replaces SIMDe's, which
- * reads imm8 0x09 (round down, no exceptions) as round-to-nearest. AMX stays off: SIMDe has no tiles. */
+ * reads imm8 0x09 (round down, no exceptions) as round-to-nearest. AMX's tiles, which SIMDe lacks, are in
+ * amx_tiles.h. */
 #ifndef SHIM_IMMINTRIN_H
 #define SHIM_IMMINTRIN_H
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -12,6 +13,7 @@
 #include <string.h>
 #include <math.h>
 #include <stdint.h>
+#include "amx_tiles.h"
 typedef simde__m512bh __m512bh;
 typedef simde__m256bh __m256bh;
 typedef simde__mmask16 __mmask16;
