@@ -4,6 +4,7 @@ and with every row count walking one weight tile at a time, alternating in one p
 floor measured in the same run.
 
     python bench/small_batches.py [--batches 1,2,3,4,6,8,12,16] [--steps 24] [--passes 2] [--prompt-len 128]
+                                  [--dtype float32|bfloat16]
 
 Each cell: the median of --steps decode-only steps after the batch's prefills (greedy, EOS ignored); the best of
 --passes passes. Floor: max(the step's FLOPs at the measured GEMM peak, its weight + K/V bytes at the measured read
@@ -72,9 +73,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     print(ceilings.cpu_info().line())
-    dtype = "float32"
+    dtype = args.dtype
     llm = LLM(model=MODEL, dtype=dtype, max_num_seqs=64)
     shape = ceilings.smollm2_shape()
     c = ceilings.measure(shape, [dtype], quick=True)

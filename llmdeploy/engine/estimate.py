@@ -60,7 +60,12 @@ def estimate(
     dtype = spec.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-        if device == "cpu" and cpu_bf16 is None:
+        if device == "cpu" and spec.model.quantization != "none":
+            notes.append(
+                f"dtype auto with model.quantization {spec.model.quantization}: float32 activations (what the "
+                "quantized kernels take)"
+            )
+        elif device == "cpu" and cpu_bf16 is None:
             notes.append(
                 "dtype auto on this CPU: float32 (no native bf16 matmuls: avx512_bf16 or amx_bf16); model.dtype:"
                 " bfloat16 halves weights and KV, and on AVX2 CPUs its widening kernel decodes small batches faster"

@@ -27,3 +27,22 @@ def test_no_bf16_units_means_float32(monkeypatch):
     finally:
         cpu_dtype.choose_cpu_dtype.cache_clear()
     assert choice.dtype == torch.float32 and "no AVX-512 BF16 or AMX" in choice.reason
+
+
+def test_auto_with_quantized_weights_is_float32_even_where_bf16_would_win(monkeypatch):
+    """The quantized kernels and the native decode step around them take float32 activations: bf16 ones ran the
+    Python layers (SmolLM2 int8 on Zen 4: batch-1 decode 2.1x float32's time), so `auto` must not pick bf16 there."""
+    from transformers import LlamaConfig
+
+    from llmdeploy.engine import loader
+
+    bf16 = cpu_dtype.DtypeChoice(torch.bfloat16, "auto: bfloat16 measured faster")
+    monkeypatch.setattr(loader, "choose_cpu_dtype", lambda hidden, inter: bf16)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536)
+    cpu = torch.device("cpu")
+    assert loader.resolve_dtype_for("auto", cpu, config) == (torch.bfloat16, bf16.reason)
+    for quantization in ("int8", "gguf"):
+        dtype, reason = loader.resolve_dtype_for("auto", cpu, config, quantization)
+        assert dtype == torch.float32 and quantization in reason
+    # asked for is asked for; on CUDA quantization is refused before this
+    assert loader.resolve_dtype_for("bfloat16", cpu, config, "int8") == (torch.bfloat16, "asked for")

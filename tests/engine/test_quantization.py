@@ -142,6 +142,9 @@ def test_engine_serves_gguf_blocks(quantized_gguf):
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
     assert llm.engine.runner.loaded.quantization == "gguf"
+    # dtype auto (the default) with quantized weights: float32 activations, and the log and status say why
+    assert llm.engine.runner.loaded.dtype == torch.float32
+    assert llm.engine.runner.loaded.dtype_reason == "auto: float32 activations for gguf weights"
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_model):

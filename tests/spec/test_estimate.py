@@ -109,6 +109,14 @@ def test_auto_dtype_on_a_bf16_cpu_states_the_engine_s_own_threshold():
     assert f"{dtype_auto.MIN_SPEEDUP:g}x" in note and "avx512_bf16" in note
 
 
+def test_auto_dtype_with_quantized_weights_says_float32_activations():
+    spec = DeploymentSpec.model_validate({"model": {"quantization": "int8"}})
+    est = estimate(spec, shape(), "cpu", cpu_bf16="avx512_bf16")
+    assert est.dtype == "float32"
+    note = next(n for n in est.notes if "dtype auto" in n)
+    assert "int8" in note and "float32 activations" in note and "bfloat16 if" not in note
+
+
 def test_cuda_budget_is_utilisation_minus_weights():
     spec = DeploymentSpec.model_validate({"engine": {"gpu_memory_utilization": 0.5}})
     est = estimate(spec, shape(num_params=10**9), "cuda", gpu_total_bytes=80 * GiB)

@@ -42,7 +42,7 @@ def start_ranks(config: EngineConfig) -> Leader:
     check_split(hf, config.tensor_parallel)
     device = rank_device(config.device, config.tensor_parallel - 1)  # the last rank's GPU must exist
     # dtype auto is measured on CPU: each rank measuring for itself could pick another dtype than rank 0
-    dtype, reason = resolve_dtype_for(config.dtype, resolve_device(device.type), hf)
+    dtype, reason = resolve_dtype_for(config.dtype, resolve_device(device.type), hf, config.quantization)
     return Leader(replace(config, dtype=str(dtype).removeprefix("torch.")), reason)
 
 
