@@ -18,6 +18,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
+from llmdeploy.engine.estimate import FLOAT16_ON_CPU
 from llmdeploy.engine.gguf_blocks import read_block_weights
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import packed_linear_available
@@ -121,6 +122,8 @@ def load_model(
         )
     torch_dtype, dtype_reason = resolve_dtype_for(dtype, dev, config, quantization)
     log.info("dtype %s (%s)", str(torch_dtype).removeprefix("torch."), dtype_reason)
+    if dev.type == "cpu" and torch_dtype == torch.float16:
+        log.warning(FLOAT16_ON_CPU)
     backend = resolve_backend(kernel_backend, dev.type)
     if dev.type == "cpu":
         keep_freed_memory_in_heap()

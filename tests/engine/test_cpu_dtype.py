@@ -46,3 +46,17 @@ def test_auto_with_quantized_weights_is_float32_even_where_bf16_would_win(monkey
         assert dtype == torch.float32 and quantization in reason
     # asked for is asked for; on CUDA quantization is refused before this
     assert loader.resolve_dtype_for("bfloat16", cpu, config, "int8") == (torch.bfloat16, "asked for")
+
+
+def test_float16_on_cpu_loads_with_a_warning(tiny_model, caplog):
+    """float16 is served on CPU as asked, and the log says what it costs there (no native kernel takes it)."""
+    from llmdeploy.engine import loader
+
+    with caplog.at_level("WARNING", logger="llmdeploy.engine.loader"):
+        lm = loader.load_model(str(tiny_model("llama")), dtype="float16")
+    assert lm.dtype == torch.float16
+    assert any("model.dtype float16 on CPU" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmdeploy.engine.loader"):
+        loader.load_model(str(tiny_model("llama")), dtype="float32")
+    assert not any("float16" in r.getMessage() for r in caplog.records)

@@ -117,6 +117,14 @@ def test_auto_dtype_with_quantized_weights_says_float32_activations():
     assert "int8" in note and "float32 activations" in note and "bfloat16 if" not in note
 
 
+def test_float16_on_cpu_is_flagged_and_on_cuda_is_not():
+    spec = DeploymentSpec.model_validate({"model": {"dtype": "float16"}})
+    cpu = estimate(spec, shape(), "cpu")
+    assert any(n.startswith("model.dtype float16 on CPU") and "bfloat16" in n for n in cpu.notes)
+    cuda = estimate(spec, shape(), "cuda", gpu_total_bytes=80 * GiB)
+    assert not any("float16 on CPU" in n for n in cuda.notes)
+
+
 def test_cuda_budget_is_utilisation_minus_weights():
     spec = DeploymentSpec.model_validate({"engine": {"gpu_memory_utilization": 0.5}})
     est = estimate(spec, shape(num_params=10**9), "cuda", gpu_total_bytes=80 * GiB)
