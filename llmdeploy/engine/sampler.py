@@ -2,9 +2,9 @@
 
 Order per row: penalties (repetition over prompt + output as HF; presence/frequency over output as OpenAI),
 min_tokens (EOS and stop_token_ids masked), then greedy argmax (temperature 0: no randomness, so the choice depends
-only on the row's own logits) or temperature -> top_k -> top_p -> min_p -> one draw by the exponential race
-(argmax p / E, E ~ Exp(1)), which equals a multinomial draw and needs no sort. Seeded requests draw E from their
-own torch.Generator (same seed, same output, whatever else is in the batch); unseeded ones from the engine's.
+only on the row's own logits) or temperature -> top_k -> top_p (engine/sampling_filters.py) -> min_p -> one draw by
+inverse CDF. Seeded requests draw from their own torch.Generator (same seed, same output, whatever else is in the
+batch); unseeded ones from the engine's.
 Logprobs are the raw model distribution (log_softmax of the logits before any processing), as vLLM's default.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from llmdeploy.engine.guided import apply_logit_rules, needs_logit_rules
 from llmdeploy.engine.outputs import TokenLogprob
+from llmdeploy.engine.sampling_filters import top_k_top_p
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.kernels import cpu_native
 
@@ -106,7 +107,7 @@ class Sampler:
         top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = self._top_k_top_p(logits, top_k, top_p)
+            logits = top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(-1)
         min_p = [s.params.min_p for s in seqs]
         if any(min_p):
@@ -130,20 +131,6 @@ class Sampler:
         # u * total can round up to total: the last token with mass, never one past it (or a masked one)
         last = torch.searchsorted(cdf, total.contiguous(), right=False)
         return torch.minimum(picked, last)[:, 0]
-
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        dev, vocab = logits.device, logits.shape[1]
-        sorted_logits, order = logits.sort(-1, descending=True)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        # any integer is a valid top_k (2**70 too: OpenAI-style APIs do not bound it); beyond the vocabulary it is off
-        k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k], device=dev)[:, None]
-        drop = ranks >= k
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass of the better tokens; the best one is always kept
-        drop |= before > torch.tensor(top_p, device=dev)[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:

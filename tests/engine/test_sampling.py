@@ -93,6 +93,54 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(tokens) == {0, 1}
 
 
+def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
+    """The candidates-first filter keeps exactly what sorting each whole row keeps: peaked and wider nuclei taken
+    from candidates, rows that need too many sorted whole (flat ones), top_k (also past the vocabulary) with and
+    without top_p, masked tokens, and rows with neither in the same batch."""
+    from llmdeploy.engine import sampling_filters as filters
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 5000
+    scales = [
+        8.0,
+        8.0,
+        3.0,
+        3.0,
+        0.3,
+        0.3,
+        5.0,
+        1.0,
+        1.0,
+        0.3,
+    ]  # peaked -> decided early; flat -> sorted whole
+    logits = torch.randn(len(scales), vocab, generator=g) * torch.tensor(scales)[:, None]
+    logits[6, ::3] = float("-inf")  # a grammar's mask
+    logits -= logits.amax(-1, keepdim=True)  # as _sample hands them over: the best logit at 0
+    top_k = [0, 0, 0, -1, 0, 40, 700, 2**70, 0, 10]
+    top_p = [0.9, 0.5, 0.95, 0.8, 0.9, 1.0, 0.6, 0.7, 1.0, 0.5]
+    sorted_rows = []
+    by_sort = filters.top_k_top_p_by_sort
+
+    def spy(rows_logits, k, p):
+        sorted_rows.append(rows_logits.shape[0])
+        return by_sort(rows_logits, k, p)
+
+    monkeypatch.setattr(filters, "top_k_top_p_by_sort", spy)
+    got = filters.top_k_top_p(logits, top_k, top_p)
+    want = by_sort(logits, top_k, top_p)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[~got.isinf()], want[~want.isinf()])
+    kept = (~got.isinf()).sum(-1).tolist()
+    assert kept[8] == vocab and kept[5] == 40  # neither: untouched; top_k alone
+    assert 1 < kept[9] < 10  # top_p over the top_k's own mass: half of a flat top 10
+    assert 1 < kept[0] <= 64 and 64 < kept[3] <= 512
+    assert kept[2] > 600 and kept[7] > 1500 and kept[4] > vocab / 2
+    # sorted whole: the flat row only, whose nucleus needs more than half the vocabulary; every other row is decided
+    # from candidates, so each bound held its nucleus
+    assert sorted_rows == [1]
+    bound = filters.nucleus_bound(logits, torch.tensor(top_p)).tolist()
+    assert all(kept[i] <= bound[i] <= 1.25 * kept[i] for i in (0, 1, 2, 3, 7))  # tight: a power-of-two step
+
+
 def test_min_p_drops_unlikely_tokens():
     probs = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
     params = [(SamplingParams(temperature=1.0, min_p=0.2, seed=i), [0], []) for i in range(200)]
