@@ -26,11 +26,12 @@ from llmdeploy.engine.model_runner import ModelRunner
 from llmdeploy.engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from llmdeploy.engine.prompt_size import measure_prompt_size
 from llmdeploy.engine.request import Request, record_prompt_logprobs
-from llmdeploy.engine.sampler import Sampler, plain_greedy
+from llmdeploy.engine.sampler import Sampler, plain_greedy, plain_sampled
 from llmdeploy.engine.sampling_params import SamplingParams
 from llmdeploy.engine.scheduler import ScheduledBatch, Scheduler
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.engine.ttft_model import QueueView
+from llmdeploy.kernels.decode_step import BurstDraw
 from llmdeploy.policies.decode_burst import burst_allowed, burst_steps
 from llmdeploy.policies.step_cost import chunk_cost
 
@@ -176,7 +177,12 @@ class LLMEngine:
             except Exception as exc:
                 return self._step_failed(batch, exc)
         try:
-            burst = self.runner.run_burst(batch, inputs, steps, self.burst_yield) if steps > 1 else None
+            burst, draw, states = None, None, []
+            if steps > 1:
+                draw, states = self._burst_draw(batch, steps)
+                burst = self.runner.run_burst(batch, inputs, steps, self.burst_yield, draw)
+                if burst is None:
+                    self.sampler.rewind(states, {})  # the ordinary step draws its own
             if burst is None:
                 logits = self.runner.run(batch, inputs=inputs)
                 tokens, logprobs = self.sampler(logits, batch.samples, self.arch.eos_token_ids)
@@ -187,7 +193,7 @@ class LLMEngine:
         with self.lock:
             self.step_started = None
             if burst is not None:
-                return self._burst_done(batch, burst, step_s)
+                return self._burst_done(batch, burst, step_s, states)
             record_prompt_logprobs(batch, self.runner.prompt_logprobs)
             self.scheduler.postprocess(batch)
             self.cost.observe(prefill_cost, len(batch.decodes), step_s)
@@ -206,7 +212,7 @@ class LLMEngine:
             and not batch.forks
             and not batch.blocks_to_copy
             and len(batch.samples) == len(seqs)
-            and all(plain_greedy(s) and s.params.logprobs is None for s in seqs)
+            and all((plain_greedy(s) or plain_sampled(s)) and s.params.logprobs is None for s in seqs)
         )
         if not plain:
             return 1
@@ -224,19 +230,33 @@ class LLMEngine:
         self.burst_yield.value = 0  # nobody waits now; an arrival from here on ends the burst
         return steps
 
+    def _burst_draw(self, batch: ScheduledBatch, steps: int) -> tuple[BurstDraw | None, list]:
+        """A burst's draw where any of its sequences samples (None: all greedy), and the seeded generators' states
+        before it (Sampler.rewind)."""
+        seqs = [s for s, _ in batch.samples]
+        if all(s.params.greedy for s in seqs):
+            return None, []
+        u, states = self.sampler.burst_uniforms(seqs, steps)
+        inv_temp = [0.0 if s.params.greedy else 1.0 / s.params.temperature for s in seqs]
+        return BurstDraw(inv_temp, [s.params.min_p for s in seqs], u), states
+
     def _burst_done(
-        self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float
+        self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float, states: list
     ) -> list[RequestOutput]:
         """Under the lock: a burst's tokens (as many steps as it ran), one step at a time as ordinary steps would
         have taken them (a sequence that stops drops the rest), then one output per request with all its new
-        tokens."""
+        tokens; seeded generators end where those ordinary steps would have left them."""
         steps = len(tokens[0])
         touched: dict[str, Request] = {}
+        before = {s.seq_id: s.num_output_tokens for s, _ in batch.samples}
         for j in range(steps):
             self.scheduler.postprocess(batch)
             self.cost.observe(0.0, len(batch.decodes), step_s / steps)
             step_tokens = [tokens[row][j] for _, row in batch.samples]
             touched.update(self._accept(batch, step_tokens, [None] * len(step_tokens)))
+        self.sampler.rewind(
+            states, {s.seq_id: s.num_output_tokens - before[s.seq_id] for s, _ in batch.samples}
+        )
         if self.scheduler.waiting:
             self.scheduler.set_cost(self.cost.current())
         return self._outputs(touched)

@@ -32,6 +32,7 @@ from llmdeploy.engine.parallel.shard import Shard
 from llmdeploy.engine.resources import host_memory_available
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.kernels.decode_step import BurstDraw
 from llmdeploy.kernels.huge_pages import huge_zeros
 from llmdeploy.policies.step_cost import chunk_cost
 
@@ -347,15 +348,20 @@ class ModelRunner:
         return self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_greedy")
 
     def run_burst(
-        self, batch: ScheduledBatch, inputs: StepInputs, steps: int, yield_flag: ctypes.c_int32 | None = None
+        self,
+        batch: ScheduledBatch,
+        inputs: StepInputs,
+        steps: int,
+        yield_flag: ctypes.c_int32 | None = None,
+        draw: BurstDraw | None = None,
     ) -> list[list[int]] | None:
-        """Up to `steps` greedy decode steps of a decode-only batch in one native call (its sequences' blocks
-        reserved for them and `inputs` prepared with `ahead=steps - 1`; fewer once `yield_flag` is set):
-        [decodes][steps run] token ids, or None (nothing run: the caller runs one ordinary step)."""
+        """Up to `steps` greedy (with `draw`: sampled) decode steps of a decode-only batch in one native call (its
+        sequences' blocks reserved for them and `inputs` prepared with `ahead=steps - 1`; fewer once `yield_flag`
+        is set): [decodes][steps run] token ids, or None (nothing run: the caller runs one ordinary step)."""
         if batch.prefills or batch.blocks_to_copy or not self.bursts:
             return None
         input_ids, positions, meta, _ = inputs
-        tokens = self.model.decode_greedy(input_ids, positions, meta, steps, yield_flag)
+        tokens = self.model.decode_greedy(input_ids, positions, meta, steps, yield_flag, draw)
         if tokens is not None:
             self.prompt_logprobs = {}
         return tokens

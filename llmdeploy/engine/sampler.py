@@ -31,6 +31,21 @@ def plain_greedy(seq: Sequence) -> bool:
     return p.greedy and not p.has_penalties and not min_tokens_active(seq) and not needs_logit_rules(seq)
 
 
+def plain_sampled(seq: Sequence) -> bool:
+    """Whether this sequence's next token is drawn from its logits as they come at its temperature, with min_p at
+    most: sampled, no top_k or top_p, penalties, grammar or logit_bias, min_tokens reached (the native draw takes
+    such a row whole: a decode burst may sample it)."""
+    p = seq.params
+    return (
+        not p.greedy
+        and p.top_k <= 0
+        and p.top_p >= 1.0
+        and not p.has_penalties
+        and not min_tokens_active(seq)
+        and not needs_logit_rules(seq)
+    )
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -53,17 +68,24 @@ class Sampler:
             tokens = cpu_native.argmax_rows(logits)
             return tokens if tokens is not None else logits.argmax(-1).tolist(), [None] * len(seqs)
         raw = logits
-        logits = logits.clone()
-        self._apply_penalties(logits, seqs)
-        self._mask_stops(logits, seqs, eos_token_ids)
-        if any(needs_logit_rules(s) for s in seqs):
-            apply_logit_rules(logits, seqs)  # logit_bias and grammar masks (engine/guided.py)
-        tokens = logits.argmax(-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            tokens[idx] = self._sample(logits[idx], [seqs[i] for i in random_rows])
-        token_list = tokens.tolist()
+        if any(s.params.has_penalties or min_tokens_active(s) or needs_logit_rules(s) for s in seqs):
+            logits = logits.clone()
+            self._apply_penalties(logits, seqs)
+            self._mask_stops(logits, seqs, eos_token_ids)
+            if any(needs_logit_rules(s) for s in seqs):
+                apply_logit_rules(logits, seqs)  # logit_bias and grammar masks (engine/guided.py)
+        token_list = [0] * len(seqs)
+        for greedy in (True, False):
+            picked = [i for i, s in enumerate(seqs) if s.params.greedy == greedy]
+            if not picked:
+                continue
+            sub = logits if len(picked) == len(seqs) else logits[torch.tensor(picked, device=logits.device)]
+            if greedy:
+                chosen = cpu_native.argmax_rows(sub) or sub.argmax(-1).tolist()
+            else:
+                chosen = self._sample(sub, [seqs[i] for i in picked])
+            for i, t in zip(picked, chosen, strict=True):
+                token_list[i] = t
         return token_list, self._logprobs(raw, seqs, token_list) if want_logprobs else [None] * len(seqs)
 
     @staticmethod
@@ -95,8 +117,17 @@ class Sampler:
                 if ids:
                     logits[i, ids] = float("-inf")
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         dev = logits.device
+        u = self._uniforms(seqs)
+        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        filtered = any(top_k) or any(p < 1.0 for p in top_p)
+        if not filtered:  # the temperature, min_p and the draw in one native pass over each row
+            tokens = cpu_native.sample_rows(logits, [1.0 / s.params.temperature for s in seqs], min_p, u)
+            if tokens is not None:
+                return tokens
         # penalties can make logits +inf, and a low temperature over large logits overflows: either would turn
         # softmax into NaN. So: +inf -> the largest float, then the row's best logit moved to 0 before dividing
         # (softmax is unchanged by the shift), which keeps the favoured token ahead of a runner-up that overflows
@@ -104,33 +135,60 @@ class Sampler:
         logits = logits.nan_to_num(nan=float("-inf"), posinf=finfo.max)
         logits = logits - logits.amax(-1, keepdim=True).clamp_min(finfo.min)
         logits = logits / torch.tensor([s.params.temperature for s in seqs], device=dev)[:, None]
-        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
-        if any(top_k) or any(p < 1.0 for p in top_p):
+        if filtered:
             logits = top_k_top_p(logits, top_k, top_p)
+            tokens = cpu_native.sample_rows(logits, [1.0] * len(seqs), min_p, u)
+            if tokens is not None:
+                return tokens
         probs = logits.softmax(-1)
-        min_p = [s.params.min_p for s in seqs]
         if any(min_p):
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.max(-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        return self._draw(probs, seqs)
+        return self._draw(probs, u)
 
-    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row from its probabilities by inverse CDF: one uniform number per row, from the request's
-        own generator where it has a seed. (An exponential race over the vocabulary drew 49k random numbers a row:
-        ~1 ms a token on CPU, most of a batch-1 step's sampling.)"""
+    def burst_uniforms(
+        self, seqs: list[Sequence], steps: int
+    ) -> tuple[list[float], list[tuple[Sequence, torch.Tensor]]]:
+        """The uniform numbers of `steps` steps of these rows, step-major (u[j * rows + n]): a seeded row's from its
+        own generator, as that many ordinary steps draw them; and those generators' states before, for rewind."""
+        states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
+        own = {s.seq_id: torch.rand(steps, generator=s.generator).tolist() for s, _ in states}
+        shared = torch.rand(steps * len(seqs), generator=self.generator).tolist()
+        return [
+            own[s.seq_id][j] if s.seq_id in own else shared[j * len(seqs) + n]
+            for j in range(steps)
+            for n, s in enumerate(seqs)
+        ], states
+
+    @staticmethod
+    def rewind(states: list[tuple[Sequence, torch.Tensor]], used: dict[int, int]) -> None:
+        """Seeded generators back to where `used[seq_id]` ordinary steps would have left them (a burst drew for
+        every step it might run; a stop or a yield uses fewer)."""
+        for seq, state in states:
+            seq.generator.set_state(state)
+            if used.get(seq.seq_id):
+                torch.rand(used[seq.seq_id], generator=seq.generator)
+
+    def _uniforms(self, seqs: list[Sequence]) -> list[float]:
+        """One uniform number in [0, 1) per row, from the request's own generator where it has a seed."""
+        if all(s.generator is None for s in seqs):
+            return torch.rand(len(seqs), generator=self.generator, device=self.device).tolist()
+        return [
+            torch.rand(1, generator=s.generator or self.generator, device=self.device).item() for s in seqs
+        ]
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, u: list[float]) -> list[int]:
+        """One token per row from its probabilities by inverse CDF with the row's uniform number (an exponential
+        race over the vocabulary drew 49k random numbers a row: ~1 ms a token on CPU); the native sample_rows is
+        the same draw in one pass."""
         cdf = probs.cumsum(-1)
         total = cdf[:, -1:]
-        if all(s.generator is None for s in seqs):
-            u = torch.rand(len(seqs), 1, generator=self.generator, device=probs.device)
-        else:
-            u = torch.cat(
-                [torch.rand(1, 1, generator=s.generator or self.generator, device=probs.device) for s in seqs]
-            )
-        picked = torch.searchsorted(cdf, (u * total).contiguous(), right=True)
+        target = torch.tensor(u, dtype=probs.dtype, device=probs.device)[:, None] * total
+        picked = torch.searchsorted(cdf, target.contiguous(), right=True)
         # u * total can round up to total: the last token with mass, never one past it (or a masked one)
         last = torch.searchsorted(cdf, total.contiguous(), right=False)
-        return torch.minimum(picked, last)[:, 0]
+        return torch.minimum(picked, last)[:, 0].tolist()
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:

@@ -218,6 +218,42 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     return list(out) if rc == 0 else None
 
 
+def sample_rows(
+    logits: torch.Tensor, inv_temp: list[float], min_p: list[float], u: list[float]
+) -> list[int] | None:
+    """One token per float32 [rows, n] logit row from softmax(logits / T) with min_p, by inverse CDF in token order
+    with the uniform u (kernels/csrc/sample_rows.c), or None where it does not apply (or a row has no finite
+    logit: the caller's torch ops answer that)."""
+    rows = logits.shape[0] if logits.dim() == 2 else 0
+    if (
+        logits.dim() != 2
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+        or not (len(inv_temp) == len(min_p) == len(u) == rows)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    lib = native_build.library()
+    if lib is None:
+        return None
+    out = (ctypes.c_int64 * rows)()
+    rc = lib.llmd_sample_rows(
+        logits.data_ptr(),
+        rows,
+        logits.shape[1],
+        logits.stride(0),
+        (ctypes.c_float * rows)(*inv_temp),
+        (ctypes.c_float * rows)(*min_p),
+        (ctypes.c_double * rows)(*u),
+        out,
+        native_build.threads(),
+    )
+    tokens = list(out)
+    return tokens if rc == 0 and min(tokens, default=0) >= 0 else None
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
     inter = x.shape[-1] // 2

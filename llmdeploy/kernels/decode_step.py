@@ -60,6 +60,32 @@ class Dims:
     scale: float
 
 
+@dataclass(frozen=True)
+class BurstDraw:
+    """A sampled burst's draw (llmd_draw): per row 1 / temperature (0: the row stays greedy) and min_p, and the
+    uniform numbers of every step, step-major (u[j * rows + n])."""
+
+    inv_temp: list[float]
+    min_p: list[float]
+    u: list[float]
+
+    def struct(self) -> _Draw:
+        m = len(self.inv_temp)
+        return _Draw(
+            (ctypes.c_float * m)(*self.inv_temp),
+            (ctypes.c_float * m)(*self.min_p),
+            (ctypes.c_double * len(self.u))(*self.u),
+        )
+
+
+class _Draw(ctypes.Structure):
+    _fields_ = [
+        ("inv_temp", ctypes.POINTER(ctypes.c_float)),
+        ("min_p", ctypes.POINTER(ctypes.c_float)),
+        ("u", ctypes.POINTER(ctypes.c_double)),
+    ]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("kind", ctypes.c_int32),
@@ -285,12 +311,14 @@ class DecodeLayers:
         context_lens: torch.Tensor,
         steps: int,
         yield_flag: ctypes.c_int32 | None = None,
+        draw: BurstDraw | None = None,
     ) -> list[list[int]] | None:
         """Up to `steps` decode steps from input_ids [M] at positions [M], each row's next input its greedy token
-        (the first index of its largest logit): [M][steps run] token ids; once `yield_flag` is non-zero the
-        burst ends after the step under way. The block tables must cover every position up to positions + steps
-        - 1. None (nothing written) where `logits` would decline or a position passes the tables or the rotary
-        cache. With a head screen, steps of a few rows read the head through it (the same tokens)."""
+        (the first index of its largest logit), or with `draw` the token drawn as the sampler draws it: [M][steps
+        run] token ids; once `yield_flag` is non-zero the burst ends after the step under way. The block tables
+        must cover every position up to positions + steps - 1. None (nothing written) where `logits` would
+        decline or a position passes the tables or the rotary cache, or no step ran. With a head screen, greedy
+        steps of a few rows read the head through it (the same tokens)."""
         m = input_ids.numel()
         model = self._whole_model(input_ids)
         args = self._step_args(m, positions, cos_sin, None, block_tables, context_lens)
@@ -299,10 +327,11 @@ class DecodeLayers:
         tokens, done, screened = (ctypes.c_int64 * (m * steps))(), ctypes.c_int64(0), (ctypes.c_int64 * 2)()
         flag = None if yield_flag is None else ctypes.byref(yield_flag)
         screen = None if self.screen_struct is None else ctypes.byref(self.screen_struct)
+        drawn = None if draw is None else ctypes.byref(draw.struct())
         rc = native_build.library().llmd_decode_greedy(
-            *model, screen, tokens, steps, flag, ctypes.byref(done), screened, *args[:-1]
+            *model, screen, tokens, steps, flag, ctypes.byref(done), screened, drawn, *args[:-1]
         )
-        if not _ran(rc):
+        if not _ran(rc) or done.value == 0:
             return None
         self.screened_steps += screened[0]
         self.screened_tiles += screened[1]

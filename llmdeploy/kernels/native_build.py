@@ -47,6 +47,7 @@ SOURCES = tuple(
         "prefill_attention_f32.c",
         "decode_step.c",
         "argmax.c",
+        "sample_rows.c",
         "head_screen.c",
     )
 )
@@ -176,13 +177,15 @@ SIGNATURES = {
     + [c_ptr, c_ptr, c_int64, c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     # act_bf16, n_layers, layers, final_norm, embed, vocab, ids, head, screen, tokens, steps, yield_flag, done,
     # screened, then as llmd_decode_layers from M without slots (each step's come from the tables)
-    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 4, c_int64, *[c_ptr] * 3]
+    "llmd_decode_greedy": [c_int, c_int64, *[c_ptr] * 3, c_int64, *[c_ptr] * 4, c_int64, *[c_ptr] * 4]
     + [*[c_int64] * 6, c_float]
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     # screen, act_bf16, head_w, V, K, x, M, best, tiles_read, nthreads
     "llmd_head_screen_argmax": [c_ptr, c_int, c_ptr, c_int64, c_int64, c_ptr, c_int64, c_ptr, c_ptr, c_int],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
+    # x, rows, n, stride, inv_temp, min_p, u, out, nthreads
+    "llmd_sample_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,
 }
 

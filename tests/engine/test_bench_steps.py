@@ -6,9 +6,11 @@ tokens to make when a decode burst makes several a step (else its small batches 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.small_batches import decode_step_ms
 from bench.step_overhead import measure
+from llmdeploy.engine import SamplingParams
 from tests.engine.test_decode_burst import engine
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -41,3 +43,29 @@ def test_small_batch_steps_all_make_tokens(folder, batch, burst):
     assert ms > 0
     assert 12 < context < 12 + 6 * burst + 2
     assert not llm.engine.has_unfinished()
+
+
+def test_the_sampling_bench_baseline_is_the_old_sampler_and_is_undone(folder, monkeypatch):
+    """bench/sampling_steps.py's baseline: no native draw, a sort for top_k/top_p, no sampled bursts; and this
+    sampler back after it (else its 'this sampler' column would time the baseline)."""
+    from bench import sampling_steps as bench
+    from llmdeploy.engine import sampling_filters
+    from llmdeploy.kernels.decode_step import DecodeLayers
+
+    llm = engine(folder, "float32", burst=4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=2)
+    sorted_rows, bursts = [], []
+    by_sort, greedy = sampling_filters.top_k_top_p_by_sort, DecodeLayers.greedy
+    monkeypatch.setattr(
+        sampling_filters, "top_k_top_p_by_sort", lambda *a: sorted_rows.append(1) or by_sort(*a)
+    )
+    monkeypatch.setattr(DecodeLayers, "greedy", lambda *a: bursts.append(1) or greedy(*a))
+    with bench.baseline():
+        assert bench.cpu_native.sample_rows(torch.zeros(1, 4), [1.0], [0.0], [0.5]) is None
+        assert bench.step_ms(llm, 2, params, steps=3, salt=1, prompt_len=12) > 0
+        plain = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True)
+        assert bench.step_ms(llm, 2, plain, steps=3, salt=2, prompt_len=12) > 0
+    assert sorted_rows and not bursts  # the baseline sorted every top_p row, and sampled rows never burst
+    assert bench.cpu_native.sample_rows(torch.zeros(1, 4), [1.0], [0.0], [0.5]) in ([0], [1], [2], [3], None)
+    assert bench.sampler_mod.top_k_top_p is sampling_filters.top_k_top_p
+    assert bench.llm_engine.plain_sampled is bench.sampler_mod.plain_sampled

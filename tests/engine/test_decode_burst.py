@@ -1,5 +1,5 @@
-"""Decode bursts (policies/decode_burst.py): a few plain-greedy sequences decode several steps in one native call,
-each token fed back in C. A burst must give exactly the tokens ordinary steps give (fp32: transformers' tokens),
+"""Decode bursts (policies/decode_burst.py): a few plain-greedy or plain-sampled sequences decode several steps in
+one native call, each token fed back in C. A burst must give exactly the tokens ordinary steps give (fp32: transformers' tokens),
 stop where they stop, leave no block behind, and hand each request one output with all its new tokens."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_a_stop_inside_a_burst_ends_the_output_there(folder, bursts):
     assert bool(bursts) == native_for("float32")
 
 
-def test_one_output_a_request_a_burst_and_only_for_plain_greedy(folder, bursts):
+def test_one_output_a_request_a_burst_and_only_for_plain_rows(folder, bursts):
     llm = engine(folder, "float32", 4)
     e = llm.engine
     e.stream = True
@@ -102,13 +102,39 @@ def test_one_output_a_request_a_burst_and_only_for_plain_greedy(folder, bursts):
     assert deltas == ([1, 4, 4] if native_for("float32") else [1] * 9)
     bursts.clear()
     for params in (
-        SamplingParams(temperature=0.8, max_tokens=6, seed=1),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=1),
+        SamplingParams(temperature=0.8, top_k=5, max_tokens=6),
         SamplingParams(temperature=0, max_tokens=6, logprobs=2),
         SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=6, min_tokens=6),
     ):
         llm.generate([PROMPTS[0]], params)
     assert not bursts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sampled_burst_draws_what_ordinary_steps_draw(folder, bursts, dtype):
+    """Seeded sampled rows (temperature, min_p) burst: the same tokens as one step at a time, also beside a greedy
+    row and after a row that stops inside a burst (each seeded generator ends where ordinary steps leave it: a
+    request that goes on after a burst its neighbour cut short draws as it would have)."""
+    cases = [
+        SamplingParams(temperature=0.9, max_tokens=13, seed=3, ignore_eos=True),
+        SamplingParams(temperature=1.4, min_p=0.05, max_tokens=13, seed=4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+    ]
+    plain = engine(folder, dtype, 1)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, cases)]
+    assert len(set(ref[0])) > 3 and not bursts
+    got = [o.outputs[0].token_ids for o in engine(folder, dtype, 4).generate(PROMPTS, cases)]
+    assert got == ref
+    assert bool(bursts) == native_for(dtype)
+    # a stop met by the first row inside a burst: the others go on with their own draws
+    stop_at = ref[0][3]
+    first = ref[0].index(stop_at)
+    stopping = [SamplingParams(temperature=0.9, max_tokens=13, seed=3, stop_token_ids=[stop_at]), *cases[1:]]
+    ref_stop = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, stopping)]
+    assert ref_stop[0] == ref[0][: first + 1] and ref_stop[1:] == ref[1:]
+    assert [o.outputs[0].token_ids for o in engine(folder, dtype, 4).generate(PROMPTS, stopping)] == ref_stop
 
 
 def test_a_burst_declines_a_table_too_narrow_and_writes_nothing(folder):
@@ -148,6 +174,14 @@ def test_an_arrival_or_an_abort_ends_a_burst_after_its_current_step(folder, burs
     assert got == ref
     if native_for("float32"):
         assert bursts and all(n == 1 for n in bursts)  # each burst stopped after its first step
+    # a seeded sampled request too: each cut burst drew for 4 steps and used 1, and its generator is rewound
+    seeded = SamplingParams(temperature=1.1, max_tokens=9, seed=8, ignore_eos=True)
+    monkeypatch.setattr(runner, "run_burst", real)
+    want = engine(folder, "float32", 1).generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    monkeypatch.setattr(runner, "run_burst", arrival_during)
+    bursts.clear()
+    assert llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids == want
+    assert bool(bursts) == native_for("float32")
 
 
 def test_the_ttft_model_waits_out_only_the_burst_step_under_way(folder):

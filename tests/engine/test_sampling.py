@@ -141,6 +141,25 @@ def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
     assert all(kept[i] <= bound[i] <= 1.25 * kept[i] for i in (0, 1, 2, 3, 7))  # tight: a power-of-two step
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=0.8), dict(temperature=1.3, top_p=0.9), dict(temperature=1.5, min_p=0.05, top_k=12)],
+)
+def test_the_native_draw_picks_what_the_torch_ops_pick(kw, monkeypatch):
+    """Same seeds, same uniform numbers: the one-pass native draw (kernels/csrc/sample_rows.c) and the torch ops
+    (softmax, min_p, cumsum, searchsorted) pick the same token but where a uniform falls within float rounding of
+    a token's edge."""
+    from llmdeploy.kernels import cpu_native
+
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(5)).mul(2.0).expand(400, 300)
+    params = [(SamplingParams(seed=i, **kw), [0], []) for i in range(400)]
+    native = sample(logits, *params)[0]
+    monkeypatch.setattr(cpu_native, "sample_rows", lambda *a: None)
+    torch_ops = sample(logits, *params)[0]
+    assert len(set(native)) > 5
+    assert sum(a == b for a, b in zip(native, torch_ops, strict=True)) >= 398
+
+
 def test_min_p_drops_unlikely_tokens():
     probs = torch.tensor([[0.6, 0.3, 0.06, 0.04]])
     params = [(SamplingParams(temperature=1.0, min_p=0.2, seed=i), [0], []) for i in range(200)]

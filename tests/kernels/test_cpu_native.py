@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import platform
 from pathlib import Path
 
@@ -605,6 +606,53 @@ def test_argmax_rows_answers_as_torch_does():
     )
 
 
+def check_sample_rows() -> None:
+    """cpu_native.sample_rows against the sampler's definition: inverse CDF of softmax(x / T) in token order, min_p
+    of the best token's probability, NaN as -inf and +inf as the largest float, rows with no finite logit refused."""
+    # weights 1, 1, 2 (and masked tokens): cumulative 1, 2, 4 of 4; uniforms away from the edges
+    row = [0.0, float("-inf"), 0.0, float("nan"), math.log(2.0)] + [
+        float("-inf")
+    ] * 12  # 16 in lanes, 1 after
+    picks = torch.tensor([row]).expand(5, 17).contiguous()
+    u = [0.0, 0.2, 0.3, 0.6, 1 - 2**-24]
+    assert cpu_native.sample_rows(picks, [1.0] * 5, [0.0] * 5, u) == [0, 0, 2, 4, 4]
+    assert cpu_native.sample_rows(picks, [1.0] * 5, [0.75] * 5, u) == [4] * 5  # min_p 0.75 of weight 2: alone
+    inf = torch.tensor([[3.0, float("inf"), 5.0, float("inf")]])
+    assert cpu_native.sample_rows(inf, [1.0], [0.0], [0.9]) == [3]  # the two +inf share the mass
+    for empty in (torch.full((1, 40), float("-inf")), torch.full((1, 40), float("nan"))):
+        assert cpu_native.sample_rows(empty, [1.0], [0.0], [0.5]) is None
+    # stratified uniforms: each token's share of 4000 draws is its probability to 1 / 4000
+    n = 4000
+    u = [(i + 0.5) / n for i in range(n)]
+    probs = torch.tensor(
+        [0.3, 0.02, 0.15, 0.05, 0.01, 0.2, 0.04, 0.03, 0.1, 0.06, 0.04]
+    )  # 8 in lanes, 3 after
+    for inv_t, min_p in ((1.0, 0.0), (0.5, 0.0), (2.0, 0.0), (1.0, 0.25), (0.5, 0.3)):
+        logits = (
+            (probs.log() * 7.0 + 3.0).expand(n, 11).contiguous()
+        )  # any scale and shift: the temperature's
+        want = (probs.log() * 7.0 * inv_t).softmax(-1)
+        want = want.masked_fill(want < min_p * want.max(), 0.0)
+        want /= want.sum()
+        tokens = cpu_native.sample_rows(logits, [inv_t] * n, [min_p] * n, u)
+        got = torch.bincount(torch.tensor(tokens), minlength=11).double() / n
+        assert torch.allclose(got, want.double(), atol=1.5 / n), (inv_t, min_p, got, want)
+    # a vocabulary's width, rows in both threads: the draw lands where the cumulative softmax says
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(9, 50_003, generator=g) * 3
+    u = torch.rand(9, generator=g, dtype=torch.float64).tolist()
+    cdf = (wide * 1.25).double().softmax(-1).cumsum(-1)
+    for r, t in enumerate(cpu_native.sample_rows(wide, [1.25] * 9, [0.0] * 9, u)):
+        below = float(cdf[r, t - 1]) if t else 0.0  # the float32 weights' sums: within 1e-6 of float64's
+        assert below - 1e-6 <= u[r] <= float(cdf[r, t]) + 1e-6, (r, t, u[r])
+
+
+def test_sample_rows_draws_by_inverse_cdf_in_token_order():
+    check_sample_rows()
+    assert cpu_native.sample_rows(torch.zeros(2, 8).t(), [1.0] * 8, [0.0] * 8, [0.5] * 8) is None
+    assert cpu_native.sample_rows(torch.zeros(2, 8), [1.0], [0.0], [0.5]) is None  # one setting for two rows
+
+
 def avx2_cpu() -> bool:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
@@ -627,6 +675,7 @@ def test_argmax_rows_other_builds_agree(march, build_for, monkeypatch):
     monkeypatch.setattr(native_build, "library", lambda: lib)
     for logits in argmax_cases():
         assert cpu_native.argmax_rows(logits) == logits.argmax(-1).tolist()
+    check_sample_rows()  # its scalar path (portable) and its 8-lane one (AVX2)
     if march == "haswell":  # llmd_f32_linear dispatches to the AVX2 kernel in that build
         w, x = torch.randn(70, 45), torch.randn(13, 45)
         torch.testing.assert_close(cpu_native.f32_linear(x, cpu_native.f32_pack(w), None, 70), x @ w.T)

@@ -24,6 +24,7 @@ from llmdeploy.engine.parallel.group import all_reduce
 from llmdeploy.engine.parallel.shard import Shard, Split
 from llmdeploy.engine.rope import build_cos_sin_cache
 from llmdeploy.kernels import cpu_native, get_ops
+from llmdeploy.kernels.decode_step import BurstDraw
 
 # checkpoint projection name -> (fused module, shard)
 STACKED = {
@@ -304,11 +305,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         steps: int,
         yield_flag: ctypes.c_int32 | None = None,
+        draw: BurstDraw | None = None,
     ) -> list[list[int]] | None:
-        """Up to `steps` greedy decode steps in one native call on CPU (fewer once `yield_flag` is set): [rows][steps
-        run] token ids; None where that does not apply (the caller then runs one ordinary step)."""
+        """Up to `steps` greedy (with `draw`: sampled) decode steps in one native call on CPU (fewer once
+        `yield_flag` is set): [rows][steps run] token ids; None where that does not apply (the caller then runs
+        one ordinary step)."""
         return self.model.native_decode.greedy(
-            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps, yield_flag
+            self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps, yield_flag, draw
         )
 
     def attention_layers(self) -> list[PagedAttention]:

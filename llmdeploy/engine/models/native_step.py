@@ -16,6 +16,7 @@ from llmdeploy.engine.attention import AttentionMetadata
 from llmdeploy.engine.models import head_screen
 from llmdeploy.kernels import decode_step
 from llmdeploy.kernels.decode_step import (
+    BurstDraw,
     DecodeLayers,
     Dims,
     HeadScreen,
@@ -181,9 +182,11 @@ class NativeDecode:
         meta: AttentionMetadata,
         steps: int,
         yield_flag: ctypes.c_int32 | None = None,
+        draw: BurstDraw | None = None,
     ) -> list[list[int]] | None:
-        """Up to `steps` greedy decode steps from token ids in one native call (DecodeLayers.greedy): [rows][steps
-        run] token ids, each what the sampler's greedy path would pick from `logits`' output; None: not run."""
+        """Up to `steps` greedy (or with `draw`, sampled) decode steps from token ids in one native call
+        (DecodeLayers.greedy): [rows][steps run] token ids, each what the sampler would pick from `logits`'
+        output; None: not run."""
         layers = self._from_ids(model, head, input_ids, meta)
         if layers is None:
             return None
@@ -195,6 +198,7 @@ class NativeDecode:
             meta.decode_context_lens,
             steps,
             yield_flag,
+            draw,
         )
 
 

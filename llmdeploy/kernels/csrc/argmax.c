@@ -76,6 +76,9 @@ static int64_t row_argmax(const float *x, int64_t n) {
     return n > 0 ? first_max(x, 1, n, 0) : -1;
 }
 
+/* one row's argmax (sample_rows.c: a burst's greedy rows) */
+int64_t llmd_argmax_row(const float *x, int64_t n) { return row_argmax(x, n); }
+
 /* out[r] = argmax of row r (n floats at x + r * stride). Returns 0, or -1 for an empty row. */
 int llmd_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int nthreads) {
     if (n < 1 || rows < 0 || nthreads < 1) return -1;
