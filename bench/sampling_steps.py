@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import ceilings  # noqa: E402
+from bench.small_batches import start_decoding  # noqa: E402
 from llmdeploy.engine import (  # noqa: E402
     LLM,
     SamplingParams,
@@ -56,15 +57,7 @@ def step_ms(
     llm: LLM, batch: int, params: SamplingParams, steps: int, salt: int, prompt_len: int = 128
 ) -> float:
     e = llm.engine
-    vocab = e.arch.vocab_size
-    for i in range(batch):
-        ids = [(salt * 7919 + 7 * i + 13 * j) % (vocab - 10) + 5 for j in range(prompt_len)]
-        e.add_request(f"s{salt}-{i}", ids, params)
-    while e.scheduler.waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running
-    ):
-        e.step()
-    e.step()
+    start_decoding(llm, batch, params, prompt_len, salt)
     t, made = time.perf_counter(), e.counters["generation"]
     for _ in range(steps):
         e.step()

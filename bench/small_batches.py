@@ -29,15 +29,10 @@ from llmdeploy.kernels import native_build  # noqa: E402
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int) -> tuple[float, float]:
-    """Median ms of `steps` decode-only steps of `batch` fresh requests (new prompts: no prefix-cache help), each
-    over the tokens a sequence got from it (a decode burst makes several), and the mean context they ran at."""
+def start_decoding(llm: LLM, batch: int, params: SamplingParams, prompt_len: int, salt: int) -> None:
+    """`batch` fresh requests (new prompts: no prefix-cache help) through their prefills and first decode step."""
     engine = llm.engine
     vocab = engine.arch.vocab_size
-    # room for the prefill's token and a whole burst every decode step, so no timed step finds its requests done
-    params = SamplingParams(
-        temperature=0, max_tokens=(steps + 1) * engine.config.decode_burst + 2, ignore_eos=True
-    )
     for i in range(batch):
         ids = [(salt * 7919 + 7 * i + 13 * j) % (vocab - 10) + 5 for j in range(prompt_len)]
         engine.add_request(f"b{batch}-{salt}-{i}", ids, params)
@@ -45,7 +40,18 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int)
         s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
     ):
         engine.step()
-    engine.step()  # the first decode step after prefills
+    engine.step()
+
+
+def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, salt: int) -> tuple[float, float]:
+    """Median ms of `steps` decode-only steps of `batch` fresh requests (new prompts: no prefix-cache help), each
+    over the tokens a sequence got from it (a decode burst makes several), and the mean context they ran at."""
+    engine = llm.engine
+    # room for the prefill's token and a whole burst every decode step, so no timed step finds its requests done
+    params = SamplingParams(
+        temperature=0, max_tokens=(steps + 1) * engine.config.decode_burst + 2, ignore_eos=True
+    )
+    start_decoding(llm, batch, params, prompt_len, salt)
     times, contexts = [], []
     for _ in range(steps):
         contexts.extend(len(s) for s in engine.scheduler.running)

@@ -195,17 +195,22 @@ def add_rms_norm(
     return (out, summed) if rc == 0 else None
 
 
+def _logit_rows(logits: torch.Tensor) -> bool:
+    """float32 [rows, n > 0] on CPU, each row contiguous, outside torch.compile: what the sampling kernels read."""
+    return (
+        logits.dim() == 2
+        and logits.dtype == torch.float32
+        and logits.device.type == "cpu"
+        and logits.stride(1) == 1
+        and logits.shape[1] > 0
+        and not torch.compiler.is_compiling()
+    )
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     """logits.argmax(-1).tolist() for float32 [rows, n] on CPU (first index of the largest; NaN largest), or None
     where it does not apply."""
-    if (
-        logits.dim() != 2
-        or logits.dtype != torch.float32
-        or logits.device.type != "cpu"
-        or logits.stride(1) != 1
-        or logits.shape[1] == 0
-        or torch.compiler.is_compiling()
-    ):
+    if not _logit_rows(logits):
         return None
     lib = native_build.library()
     if lib is None:
@@ -225,15 +230,7 @@ def sample_rows(
     with the uniform u (kernels/csrc/sample_rows.c), or None where it does not apply (or a row has no finite
     logit: the caller's torch ops answer that)."""
     rows = logits.shape[0] if logits.dim() == 2 else 0
-    if (
-        logits.dim() != 2
-        or logits.dtype != torch.float32
-        or logits.device.type != "cpu"
-        or logits.stride(1) != 1
-        or logits.shape[1] == 0
-        or not (len(inv_temp) == len(min_p) == len(u) == rows)
-        or torch.compiler.is_compiling()
-    ):
+    if not _logit_rows(logits) or not len(inv_temp) == len(min_p) == len(u) == rows:
         return None
     lib = native_build.library()
     if lib is None:
