@@ -233,7 +233,9 @@ class LLMEngine:
     def _burst_draw(self, batch: ScheduledBatch, steps: int) -> tuple[BurstDraw | None, list]:
         """A burst's draw where any of its sequences samples (None: all greedy), and the seeded generators' states
         before it (Sampler.rewind)."""
-        seqs = [s for s, _ in batch.samples]
+        seqs = [
+            s for s, _ in sorted(batch.samples, key=lambda sample: sample[1])
+        ]  # the call's rows, in order
         if all(s.params.greedy for s in seqs):
             return None, []
         u, states = self.sampler.burst_uniforms(seqs, steps)

@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # What "auto" means per device when the model's shape is not known; with it, a CPU with native bf16 matmuls that
 # are measured faster gets bfloat16 (engine/cpu_dtype.py), unless the weights are quantized: the quantized kernels
 # and the native decode step around them take float32 activations, and bf16 ones ran the Python layers instead
-# (SmolLM2 int8, Zen 4, 2026-12-07: batch-1 decode 10.1 ms a token against float32's 4.7, batch 32 1.09x the time).
+# (SmolLM2 int8, Zen 4, 2026-12-07, one process: batch-1 decode 10.0 ms a token against float32's 4.25).
 AUTO_DTYPE = {"cuda": torch.bfloat16, "cpu": torch.float32}
 COMPILE_BY_DEFAULT = False
 # model.quantization (weight-only, CPU): int8 = the loaded weights quantized to Q8 blocks; gguf = a GGUF file's own

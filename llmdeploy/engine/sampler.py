@@ -152,8 +152,9 @@ class Sampler:
         """The uniform numbers of `steps` steps of these rows, step-major (u[j * rows + n]): a seeded row's from its
         own generator, as that many ordinary steps draw them; and those generators' states before, for rewind."""
         states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
-        own = {s.seq_id: torch.rand(steps, generator=s.generator).tolist() for s, _ in states}
-        shared = torch.rand(steps * len(seqs), generator=self.generator).tolist()
+        dev = self.device
+        own = {s.seq_id: torch.rand(steps, generator=s.generator, device=dev).tolist() for s, _ in states}
+        shared = torch.rand(steps * len(seqs), generator=self.generator, device=dev).tolist()
         return [
             own[s.seq_id][j] if s.seq_id in own else shared[j * len(seqs) + n]
             for j in range(steps)
@@ -167,7 +168,7 @@ class Sampler:
         for seq, state in states:
             seq.generator.set_state(state)
             if used.get(seq.seq_id):
-                torch.rand(used[seq.seq_id], generator=seq.generator)
+                torch.rand(used[seq.seq_id], generator=seq.generator, device=seq.generator.device)
 
     def _uniforms(self, seqs: list[Sequence]) -> list[float]:
         """One uniform number in [0, 1) per row, from the request's own generator where it has a seed."""

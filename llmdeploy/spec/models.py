@@ -42,7 +42,7 @@ class ModelSpec(Section):
         "(other types dequantized), each layer's input rounded to int8 per block as llama.cpp does where the CPU "
         "has AVX-512 VNNI, and on AVX2 CPUs below 20 rows (decode; prefill keeps float inputs there); "
         "LLMDEPLOY_QUANT_VNNI=0 keeps float inputs everywhere. With `model.dtype: auto` the activations are "
-        "float32, which the quantized kernels take (bfloat16 ones decode slower: SmolLM2 int8 batch 1 at 2.1x "
+        "float32, which the quantized kernels take (bfloat16 ones decode slower: SmolLM2 int8 batch 1 at 2.3x "
         "float32's time)",
     )
 
