@@ -34,7 +34,7 @@ class EngineConfig:
     # sla.ttft_p99_ms: the scheduler's first-token deadlines count from it (llmdeploy/policies/deadline.py)
     ttft_sla_ms: float = SLASpec.model_fields["ttft_p99_ms"].default
     tensor_parallel: int = 1  # parallel.tensor_parallel: ranks of this engine (engine/parallel/)
-    # greedy decode steps one native call may run on CPU (policies/decode_burst.py); 1 = off
+    # decode steps (greedy or plain sampled) one native call may run on CPU (policies/decode_burst.py); 1 = off
     decode_burst: int = 4
 
     def __post_init__(self) -> None:

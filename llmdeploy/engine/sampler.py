@@ -46,6 +46,14 @@ def plain_sampled(seq: Sequence) -> bool:
     )
 
 
+def penalty_index(rows: list[tuple[int, list[int]]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Flat positions (row * vocab + token) of each (row, token ids) pair's tokens inside the vocabulary."""
+    ids = torch.tensor([t for _, tokens in rows for t in tokens], dtype=torch.long, device=device)
+    row = torch.tensor([r for r, tokens in rows for _ in tokens], dtype=torch.long, device=device)
+    keep = (ids >= 0) & (ids < vocab)
+    return (row * vocab + ids)[keep]
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -69,7 +77,7 @@ class Sampler:
             return tokens if tokens is not None else logits.argmax(-1).tolist(), [None] * len(seqs)
         raw = logits
         if any(s.params.has_penalties or min_tokens_active(s) or needs_logit_rules(s) for s in seqs):
-            logits = logits.clone()
+            logits = logits.clone(memory_format=torch.contiguous_format)
             self._apply_penalties(logits, seqs)
             self._mask_stops(logits, seqs, eos_token_ids)
             if any(needs_logit_rules(s) for s in seqs):
@@ -90,24 +98,36 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if not p.has_penalties:
-                continue
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
-                v = row[seen]
-                hi = torch.finfo(
-                    row.dtype
-                ).max  # a tiny penalty (5e-324 is legal) must not make +inf (then NaN)
-                row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty).clamp(
-                    -hi, hi
-                )
-            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
-                counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        """In place, all rows at once (a row's own loop of small tensor ops was ~0.15 ms a row: 5 ms of a batch-32
+        step): repetition over each row's distinct prompt + output tokens, then presence/frequency over its output
+        tokens' counts. `logits` is contiguous (the caller's copy)."""
+        vocab, dev = logits.shape[1], logits.device
+        flat = logits.view(-1)
+        rep = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if rep:
+            # a token seen twice is read twice and written twice with the same value: no unique() needed
+            seen = penalty_index([(i, seqs[i].token_ids) for i in rep], vocab, dev)
+            factor = torch.ones(len(seqs), dtype=logits.dtype, device=dev)
+            factor[rep] = torch.tensor([seqs[i].params.repetition_penalty for i in rep], dtype=logits.dtype)
+            v, f = flat[seen], factor[seen // vocab]
+            hi = torch.finfo(
+                logits.dtype
+            ).max  # a tiny penalty (5e-324 is legal) must not make +inf (then NaN)
+            flat[seen] = torch.where(v > 0, v / f, v * f).clamp(-hi, hi)
+        counted = [
+            i
+            for i, s in enumerate(seqs)
+            if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens
+        ]
+        if counted:
+            out = penalty_index([(i, seqs[i].output_token_ids) for i in counted], vocab, dev)
+            where, counts = out.unique(return_counts=True)
+            row = where // vocab
+            presence = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype, device=dev)
+            frequency = torch.tensor(
+                [s.params.frequency_penalty for s in seqs], dtype=logits.dtype, device=dev
+            )
+            flat[where] -= frequency[row] * counts.to(logits.dtype) + presence[row]
 
     def _mask_stops(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
         vocab = logits.shape[1]

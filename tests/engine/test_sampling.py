@@ -79,6 +79,51 @@ def test_presence_and_frequency_penalties_count_output_only():
     assert sample(logits, (freq, [0], [1, 1]))[0] == [2]  # 3 - 0.6 < 2.5
 
 
+def penalties_row_by_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The definition, one row at a time: repetition (HF) over the row's distinct prompt + output tokens, then
+    presence and frequency (OpenAI) over its output tokens' counts."""
+    out = logits.clone()
+    for row, seq in zip(out, seqs, strict=True):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)))
+            v = row[seen]
+            hi = torch.finfo(row.dtype).max
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty).clamp(-hi, hi)
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return out
+
+
+def test_penalties_of_a_whole_batch_at_once_are_each_row_s_own():
+    g = torch.Generator().manual_seed(11)
+    vocab = 300
+    logits = torch.randn(7, vocab, generator=g) * 3
+    cases = [
+        dict(repetition_penalty=1.3),
+        dict(presence_penalty=0.7, frequency_penalty=0.4),
+        dict(),  # none: untouched
+        dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.1),
+        dict(frequency_penalty=0.25),  # no output yet below: untouched
+        dict(repetition_penalty=5e-324, presence_penalty=2.0),  # a tiny penalty: clamped, never +inf
+        dict(repetition_penalty=1.3, frequency_penalty=-0.3),
+    ]
+    seqs = []
+    for i, kw in enumerate(cases):
+        prompt = torch.randint(0, vocab, (20,), generator=g).tolist() + [5, 5, 5]
+        seq = Sequence(prompt, SamplingParams(temperature=0.7, **kw))
+        for t in [] if i == 4 else torch.randint(0, vocab, (9,), generator=g).tolist() + [5, 7, 7]:
+            seq.append(t)
+        seqs.append(seq)
+    got = logits.clone()
+    Sampler._apply_penalties(got, seqs)
+    want = penalties_row_by_row(logits, seqs)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(got[2], logits[2]) and torch.equal(got[4], logits[4]) and got.isfinite().all()
+    assert not torch.equal(got[0], logits[0]) and not torch.equal(got[1], logits[1])
+
+
 def test_top_k_one_equals_greedy():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
     greedy = logits.argmax(-1).tolist()
