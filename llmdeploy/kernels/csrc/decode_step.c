@@ -66,6 +66,7 @@ int llmd_has_avx512_bf16(void);
 int llmd_argmax_rows(const float *, int64_t, int64_t, int64_t, int64_t *, int); /* argmax.c */
 int llmd_sample_rows(const float *, int64_t, int64_t, int64_t, const float *, const float *, const double *,
                      int64_t *, int); /* sample_rows.c */
+int llmd_has_bf16_linear(void);
 
 /* A sampled burst's draw: each row's 1 / temperature (0: that row greedy) and min_p, and the uniform numbers of
  * every step, step-major (u[j * M + n]: step j, row n). */
@@ -73,7 +74,6 @@ typedef struct {
     const float *inv_temp, *min_p;
     const double *u;
 } llmd_draw;
-int llmd_has_bf16_linear(void);
 
 /* the kernel q_linear in kernels/native_quant.py picks for this kind and row count */
 static int linear(const llmd_linear *l, int act_bf16, const void *x, void *y, int64_t M, int64_t q_bf16_min_rows,
@@ -317,8 +317,8 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
 int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm, const void *embed,
                        int64_t vocab, const int64_t *ids, const llmd_linear *head, const llmd_head_screen *screen,
                        int64_t *tokens, int64_t steps, const volatile int32_t *yield_flag, int64_t *done,
-                       int64_t *screened, const llmd_draw *draw, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I,
-                       float eps, const int64_t *positions, const float *cos_sin, int64_t max_pos,
+                       int64_t *screened, const llmd_draw *draw, int64_t M, int64_t E, int64_t H, int64_t Hkv,
+                       int64_t D, int64_t I, float eps, const int64_t *positions, const float *cos_sin, int64_t max_pos,
                        const int32_t *tables, int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
                        int64_t q_bf16_min_rows, int nthreads) {
     if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done || !final_norm ||
@@ -331,8 +331,8 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
             (positions[n] + steps - 1) / block_size >= bt_stride)
             return -1;
     /* the screen takes a few rows of a float32 or bf16 head without bias (head_screen.c) */
-    const int screen_on = !draw && screen && M <= (act_bf16 ? SCREEN_MAX_ROWS_BF16 : SCREEN_MAX_ROWS_F32) && !head->bias &&
-                          (head->kind == LIN_F32 || head->kind == LIN_BF16);
+    const int screen_on = !draw && screen && M <= (act_bf16 ? SCREEN_MAX_ROWS_BF16 : SCREEN_MAX_ROWS_F32) &&
+                          !head->bias && (head->kind == LIN_F32 || head->kind == LIN_BF16);
     const size_t es = act_bf16 ? 2 : 4;
     int64_t *cur = malloc(sizeof(int64_t) * (size_t)(4 * M));
     int32_t *lens_j = malloc(sizeof(int32_t) * (size_t)M);
@@ -367,7 +367,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                 rc = llmd_argmax_rows(logits, M, head->n, head->n, best, nthreads);
         }
         if (by_screen && screened) screened[0] += 1, screened[1] += tiles;
-        int drawn = 1; /* a row with no finite logit ends the burst before this step: the sampler's torch ops take it */
+        int drawn = 1; /* a row with no finite logit ends the burst before this step (the sampler's torch ops) */
         for (int64_t n = 0; n < M && rc == 0; n++) drawn &= best[n] >= 0;
         if (!drawn) break;
         for (int64_t n = 0; n < M && rc == 0; n++) tokens[n * steps + j] = cur[n] = best[n];

@@ -118,8 +118,10 @@ static inline __attribute__((unused)) void _tile_dpbf16ps(int dst, int a, int b)
                                                     shim_tile_bf16(&s->data[b][k][4 * n + 2]));
             }
         memcpy(acc, s->data[dst][m], sizeof acc);
-        for (int n = 0; n < N; n++)
-            acc[n] = shim_tile_ftz(shim_tile_ftz(acc[n]) + shim_tile_ftz(shim_tile_ftz(even[n]) + shim_tile_ftz(odd[n])));
+        for (int n = 0; n < N; n++) {
+            const float pair = shim_tile_ftz(shim_tile_ftz(even[n]) + shim_tile_ftz(odd[n]));
+            acc[n] = shim_tile_ftz(shim_tile_ftz(acc[n]) + pair);
+        }
         memset(s->data[dst][m], 0, SHIM_TILE_COLSB);
         memcpy(s->data[dst][m], acc, s->colsb[dst]);
     }
