@@ -24,26 +24,23 @@ def min_tokens_active(seq: Sequence) -> bool:
     return seq.num_output_tokens < seq.params.min_tokens
 
 
+def logits_as_they_come(seq: Sequence) -> bool:
+    """Whether this sequence's logits go to the pick unchanged: no penalties, min_tokens reached, no grammar or
+    logit_bias."""
+    return not seq.params.has_penalties and not min_tokens_active(seq) and not needs_logit_rules(seq)
+
+
 def plain_greedy(seq: Sequence) -> bool:
-    """Whether this sequence's next token is its logits' argmax as they come: greedy, no penalties, min_tokens
-    reached, no grammar or logit_bias (logprobs aside: they read the logits, they do not change the pick)."""
-    p = seq.params
-    return p.greedy and not p.has_penalties and not min_tokens_active(seq) and not needs_logit_rules(seq)
+    """Whether this sequence's next token is its logits' argmax as they come (logprobs aside: they read the logits,
+    they do not change the pick)."""
+    return seq.params.greedy and logits_as_they_come(seq)
 
 
 def plain_sampled(seq: Sequence) -> bool:
     """Whether this sequence's next token is drawn from its logits as they come at its temperature, with min_p at
-    most: sampled, no top_k or top_p, penalties, grammar or logit_bias, min_tokens reached (the native draw takes
-    such a row whole: a decode burst may sample it)."""
+    most (no top_k or top_p): the native draw takes such a row whole, so a decode burst may sample it."""
     p = seq.params
-    return (
-        not p.greedy
-        and p.top_k <= 0
-        and p.top_p >= 1.0
-        and not p.has_penalties
-        and not min_tokens_active(seq)
-        and not needs_logit_rules(seq)
-    )
+    return not p.greedy and p.top_k <= 0 and p.top_p >= 1.0 and logits_as_they_come(seq)
 
 
 def penalty_index(rows: list[tuple[int, list[int]]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -76,7 +73,7 @@ class Sampler:
             tokens = cpu_native.argmax_rows(logits)
             return tokens if tokens is not None else logits.argmax(-1).tolist(), [None] * len(seqs)
         raw = logits
-        if any(s.params.has_penalties or min_tokens_active(s) or needs_logit_rules(s) for s in seqs):
+        if not all(logits_as_they_come(s) for s in seqs):
             logits = logits.clone(memory_format=torch.contiguous_format)
             self._apply_penalties(logits, seqs)
             self._mask_stops(logits, seqs, eos_token_ids)
@@ -110,9 +107,8 @@ class Sampler:
             factor = torch.ones(len(seqs), dtype=logits.dtype, device=dev)
             factor[rep] = torch.tensor([seqs[i].params.repetition_penalty for i in rep], dtype=logits.dtype)
             v, f = flat[seen], factor[seen // vocab]
-            hi = torch.finfo(
-                logits.dtype
-            ).max  # a tiny penalty (5e-324 is legal) must not make +inf (then NaN)
+            # a tiny penalty (5e-324 is legal) must not make +inf (then NaN)
+            hi = torch.finfo(logits.dtype).max
             flat[seen] = torch.where(v > 0, v / f, v * f).clamp(-hi, hi)
         counted = [
             i
@@ -174,11 +170,11 @@ class Sampler:
         states = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
         dev = self.device
         own = {s.seq_id: torch.rand(steps, generator=s.generator, device=dev).tolist() for s, _ in states}
-        shared = torch.rand(steps * len(seqs), generator=self.generator, device=dev).tolist()
+        unseeded = iter(
+            torch.rand(steps * (len(seqs) - len(own)), generator=self.generator, device=dev).tolist()
+        )
         return [
-            own[s.seq_id][j] if s.seq_id in own else shared[j * len(seqs) + n]
-            for j in range(steps)
-            for n, s in enumerate(seqs)
+            own[s.seq_id][j] if s.seq_id in own else next(unseeded) for j in range(steps) for s in seqs
         ], states
 
     @staticmethod

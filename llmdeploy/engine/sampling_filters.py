@@ -80,12 +80,15 @@ def from_candidates(
 def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """top_k_top_p_by_sort's result, from candidates: first FIRST_CANDIDATES (or the largest top_k up to
     vocab / SORT_SHARE), then for rows still undecided as many as nucleus_bound says; a row that needs more than
-    vocab / SORT_SHARE, or that its bound leaves undecided (rounding), is sorted whole. Rows with neither stay."""
+    vocab / SORT_SHARE, or that its bound leaves undecided (rounding), is sorted whole. Rows with neither stay (with
+    no row to filter, `logits` itself comes back)."""
     dev, vocab = logits.device, logits.shape[1]
     cap = vocab // SORT_SHARE
     ks = [min(t, vocab) if t > 0 else vocab for t in top_k]
-    out = logits.clone()
     rows = [i for i, (k, p) in enumerate(zip(ks, top_p, strict=True)) if k < vocab or p < 1.0]
+    if not rows:
+        return logits
+    out = None  # a copy of logits for results that come in parts
     for attempt in ("first", "bound", "sort"):
         if not rows:
             break
@@ -99,12 +102,14 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
             need = torch.where(k < vocab, k, nucleus_bound(sub, p))
             n = int(need[need <= cap].max()) if bool((need <= cap).any()) else 0
         if attempt == "sort" or not 0 < n <= cap:  # a small vocabulary is sorted at once
-            out[idx] = top_k_top_p_by_sort(sub, [top_k[i] for i in rows], [top_p[i] for i in rows])
-            break
-        kept, decided = from_candidates(sub, k, p, n)
-        if bool(decided.all()) and len(rows) == logits.shape[0]:
-            return kept
+            result = top_k_top_p_by_sort(sub, [top_k[i] for i in rows], [top_p[i] for i in rows])
+            decided = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        else:
+            result, decided = from_candidates(sub, k, p, n)
+        if out is None and len(rows) == logits.shape[0] and bool(decided.all()):
+            return result  # every row filtered at once: no copy of the logits
+        out = logits.clone() if out is None else out
         done = decided.nonzero()[:, 0]
-        out[idx[done]] = kept[done]
+        out[idx[done]] = result[done]
         rows = [r for r, d in zip(rows, decided.tolist(), strict=True) if not d]
     return out
