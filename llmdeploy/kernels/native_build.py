@@ -56,6 +56,7 @@ HEADERS = tuple(
     CSRC / name
     for name in (
         "unroll.h",
+        "prefetch.h",
         "avx2_tiles.h",
         "avx2_side_walk.h",
         "avx2_exp.h",

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "lanes.h"
+#include "prefetch.h"
 
 int llmd_attn_scores_avx512(int bf16, const float *q, const void *k_cache, const void *v_cache, const int64_t *slots,
                             int64_t n, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, int64_t n8,
@@ -31,14 +32,6 @@ int llmd_attn_pv_avx512(int bf16, const void *v_cache, const int64_t *slots, int
 #define PV_CHUNK 16 /* tokens a P.V block runs between loading and storing its sums, and its V prefetch to L1 */
 #define PV_SUMS 28  /* registers a P.V block may fill with sums and one V row */
 
-/* a row's lines to L1 or L2. asm volatile: gcc 12's dead-code pass dropped these loops of _mm_prefetch (nothing
- * else in the loop), where they make the difference (no prefetch left in the object, 1.4x the time from memory) */
-static inline void prefetch_l1(const char *row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht0 %0" : : "m"(row[o]));
-}
-static inline void prefetch_l2(const char *row, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __asm__ volatile("prefetcht1 %0" : : "m"(row[o]));
-}
 
 /* 16 lanes of partial sums -> 8 */
 static inline __m256 fold(__m512 s) {

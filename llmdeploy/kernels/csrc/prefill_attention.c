@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "unroll.h"
 
 #if defined(__AVX512BF16__)
@@ -57,23 +58,79 @@ static inline const uint16_t *row_q(const PrefillArgs *a, int64_t h, int64_t r) 
     return a->q + (r / a->G) * a->q_stride + (h * a->G + r % a->G) * a->D;
 }
 
-/* K tile t, dim pair p -> 32 keys x (k[2p], k[2p + 1]); V key pair P, dim d -> (v[2P][d], v[2P + 1][d]) */
+/* 16 x 16 32-bit elements transposed in registers: r[i] lane j -> r[j] lane i */
+static inline void transpose_16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* key t's row of kv head h in a cache, or NULL past the context */
+static inline const uint16_t *cache_row(const uint16_t *cache, const int32_t *table, int64_t block_size, int64_t Hkv,
+                                        int64_t h, const PrefillArgs *a, int64_t t) {
+    if (t >= a->ctx) return NULL;
+    return cache + (((int64_t)table[t / block_size] * block_size + t % block_size) * Hkv + h) * a->D;
+}
+
+/* K tile t, dim pair p -> 32 keys x (k[2p], k[2p + 1]); V key pair P, dim d -> (v[2P][d], v[2P + 1][d]). Keys
+ * [t0, t1) of kv head h, whole tiles. In registers: a K tile is four 16 x 16 transposes of 32-bit pairs, a V key pair
+ * two rows interleaved; the next tile's rows are prefetched (the cache is read once a call, from memory: the whole
+ * context is packed again for every chunk of a long prompt, where scalar copies took half the call). */
 static void pack_head(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int64_t block_size,
                       int64_t Hkv, int64_t h, const PrefillArgs *a, int64_t t0, int64_t t1, uint16_t *kp,
                       uint16_t *vp) {
     const int64_t D = a->D;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t tile = t / PF_KEYS, c = t % PF_KEYS;
-        uint16_t *kt = kp + tile * PF_KEYS * D + c * 2;
-        uint16_t *vt = vp + (t / 2) * D * 2 + t % 2;
-        if (t < a->ctx) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const uint16_t *k = k_cache + (slot * Hkv + h) * D, *v = v_cache + (slot * Hkv + h) * D;
-            for (int64_t p = 0; p < D / 2; p++) memcpy(kt + p * PF_KEYS * 2, k + 2 * p, 4);
-            for (int64_t d = 0; d < D; d++) vt[d * 2] = v[d];
-        } else {
-            for (int64_t p = 0; p < D / 2; p++) memset(kt + p * PF_KEYS * 2, 0, 4);
-            for (int64_t d = 0; d < D; d++) vt[d * 2] = 0;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t t = t0; t < t1; t += PF_KEYS) {
+        const uint16_t *krow[PF_KEYS], *vrow[PF_KEYS];
+        for (int c = 0; c < PF_KEYS; c++) {
+            krow[c] = cache_row(k_cache, table, block_size, Hkv, h, a, t + c);
+            vrow[c] = cache_row(v_cache, table, block_size, Hkv, h, a, t + c);
+            const int64_t ahead = t + PF_KEYS + c;
+            if (ahead < t1 && ahead < a->ctx) {
+                prefetch_l2(cache_row(k_cache, table, block_size, Hkv, h, a, ahead), 2 * D);
+                prefetch_l2(cache_row(v_cache, table, block_size, Hkv, h, a, ahead), 2 * D);
+            }
+        }
+        uint16_t *kt = kp + t * D;
+        for (int64_t p0 = 0; p0 < D / 2; p0 += 16) /* 16 dim pairs (one 512-bit load of a row) at a time */
+            for (int half = 0; half < 2; half++) {
+                __m512i r[16];
+                for (int c = 0; c < 16; c++) {
+                    const uint16_t *k = krow[half * 16 + c];
+                    r[c] = k ? _mm512_loadu_si512(k + 2 * p0) : _mm512_setzero_si512();
+                }
+                transpose_16x16(r);
+                for (int i = 0; i < 16; i++) _mm512_storeu_si512(kt + (p0 + i) * PF_KEYS * 2 + half * 32, r[i]);
+            }
+        for (int c = 0; c < PF_KEYS; c += 2) {
+            uint16_t *vt = vp + (t + c) * D;
+            for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                const __m512i v0 = vrow[c] ? _mm512_loadu_si512(vrow[c] + d0) : _mm512_setzero_si512();
+                const __m512i v1 = vrow[c + 1] ? _mm512_loadu_si512(vrow[c + 1] + d0) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vt + d0 * 2, _mm512_permutex2var_epi16(v0, lo, v1));
+                _mm512_storeu_si512(vt + d0 * 2 + 32, _mm512_permutex2var_epi16(v0, hi, v1));
+            }
         }
     }
 }

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "unroll.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -38,31 +39,68 @@ typedef struct {
     float scale;
 } PrefillArgs;
 
-/* n cache elements (float32, or bf16 where bf16) from element i -> float32 */
-static inline void widen_elems(const void *cache, int bf16, int64_t i, int64_t n, float *dst) {
-    if (!bf16) {
-        memcpy(dst, (const float *)cache + i, sizeof(float) * (size_t)n);
-        return;
+/* 8 x 8 floats transposed in registers: r[i] lane j -> r[j] lane i */
+static inline void transpose_8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
     }
-    bf16_to_f32_rows((const uint16_t *)cache + i, dst, n);
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
 }
 
-/* K tile t, dim d -> 16 keys; V columns c (dims 16c .. 16c + 15) -> one 16-float row per key */
+/* the element where key t's row of kv head h starts in the cache, -1 past the context */
+static inline int64_t row_at(const int32_t *table, int64_t block_size, int64_t Hkv, int64_t h, const PrefillArgs *a,
+                             int64_t t) {
+    if (t >= a->ctx) return -1;
+    return (((int64_t)table[t / block_size] * block_size + t % block_size) * Hkv + h) * a->D;
+}
+
+/* 8 cache elements from element i as float32 (zero for i < 0, past the context) */
+static inline __m256 load8(const void *cache, int bf16, int64_t i) {
+    if (i < 0) return _mm256_setzero_ps();
+    return bf16 ? v8_load_bf16((const uint16_t *)cache + i) : _mm256_loadu_ps((const float *)cache + i);
+}
+
+/* K tile t, dim d -> 16 keys; V columns c (dims 16c .. 16c + 15) -> one 16-float row per key. Keys [t0, t1) of kv
+ * head h, whole tiles. A K tile is 8 x 8 transposes in registers; the next tile's rows are prefetched (the cache is
+ * read once a call, from memory: the whole context is packed again for every chunk of a long prompt). */
 static void pack_head(const void *k_cache, const void *v_cache, int bf16, const int32_t *table, int64_t block_size,
                       int64_t Hkv, int64_t h, const PrefillArgs *a, int64_t t0, int64_t t1, float *kp, float *vp) {
-    const int64_t D = a->D;
-    float k[D];
-    for (int64_t t = t0; t < t1; t++) {
-        float *kt = kp + (t / PF_KEYS) * PF_KEYS * D + t % PF_KEYS, *vt = vp + t * PF_DV;
-        if (t < a->ctx) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            widen_elems(k_cache, bf16, (slot * Hkv + h) * D, D, k);
-            for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS] = k[d];
-            for (int64_t c = 0; c < D / PF_DV; c++)
-                widen_elems(v_cache, bf16, (slot * Hkv + h) * D + c * PF_DV, PF_DV, vt + c * a->ctx_pad * PF_DV);
-        } else {
-            for (int64_t d = 0; d < D; d++) kt[d * PF_KEYS] = 0.0f;
-            for (int64_t c = 0; c < D / PF_DV; c++) memset(vt + c * a->ctx_pad * PF_DV, 0, sizeof(float) * PF_DV);
+    const int64_t D = a->D, es = bf16 ? 2 : 4;
+    for (int64_t t = t0; t < t1; t += PF_KEYS) {
+        int64_t at[PF_KEYS];
+        for (int c = 0; c < PF_KEYS; c++) {
+            at[c] = row_at(table, block_size, Hkv, h, a, t + c);
+            const int64_t ahead = t + PF_KEYS + c < t1 ? row_at(table, block_size, Hkv, h, a, t + PF_KEYS + c) : -1;
+            if (ahead >= 0) {
+                prefetch_l2((const char *)k_cache + ahead * es, D * es);
+                prefetch_l2((const char *)v_cache + ahead * es, D * es);
+            }
+        }
+        float *kt = kp + t * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 8)
+            for (int g = 0; g < PF_KEYS; g += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = load8(k_cache, bf16, at[g + i] < 0 ? -1 : at[g + i] + d0);
+                transpose_8x8(r);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d0 + i) * PF_KEYS + g, r[i]);
+            }
+        for (int c = 0; c < PF_KEYS; c++) {
+            float *vt = vp + (t + c) * PF_DV;
+            for (int64_t col = 0; col < D / PF_DV; col++)
+                for (int z = 0; z < PF_DV; z += 8)
+                    _mm256_storeu_ps(vt + col * a->ctx_pad * PF_DV + z,
+                                     load8(v_cache, bf16, at[c] < 0 ? -1 : at[c] + col * PF_DV + z));
         }
     }
 }
