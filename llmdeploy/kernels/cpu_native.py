@@ -254,13 +254,14 @@ def sample_rows(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
     inter = x.shape[-1] // 2
-    if inter % 8 or not _rows_of(torch.float32, x):  # bf16: torch's two vectorised ops were faster
+    if inter % 8 or not _rows_of(x.dtype, x):
         return None
     lib = native_build.library()
-    if lib is None:
+    # bf16 on 8 lanes (AVX2): torch's two vectorised ops were faster
+    if lib is None or (x.dtype == torch.bfloat16 and not lib.llmd_has_avx512()):
         return None
-    out = torch.empty(*x.shape[:-1], inter)
-    rc = lib.llmd_silu_mul(
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    rc = _variant(lib, "llmd_silu_mul", x.dtype)(
         x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter, native_build.threads()
     )
     return out if rc == 0 else None

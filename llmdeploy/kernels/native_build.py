@@ -57,6 +57,7 @@ HEADERS = tuple(
     for name in (
         "unroll.h",
         "prefetch.h",
+        "avx512_exp.h",
         "avx2_tiles.h",
         "avx2_side_walk.h",
         "avx2_exp.h",

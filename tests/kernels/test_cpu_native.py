@@ -535,13 +535,37 @@ def test_add_rms_norm_bf16_rounds_where_torch_does(rows, with_residual):
     assert (out == ref).float().mean() > 0.97
 
 
+@pytest.mark.parametrize("inter", [48, 40])  # 40: 16-lane passes then an 8-lane one
 @pytest.mark.parametrize("rows", [1, 33])
-def test_silu_and_mul_matches_torch(rows):
-    x = torch.randn(rows, 2 * 48) * 4
+def test_silu_and_mul_matches_torch(rows, inter):
+    x = torch.randn(rows, 2 * inter) * 4
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(
         cpu_native.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=2e-6
     )
+
+
+@pytest.mark.parametrize("inter", [1536, 40])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_bf16_silu_and_mul_rounds_as_torch(rows, inter):
+    """Where the library has AVX-512 the layers take bf16 silu * up from it: torch's F.silu(gate).mul_(up) in bf16,
+    silu rounded to bf16, then the product; the same bits but where the two exps' last float32 bits round apart.
+    The 8-lane pass (the decode step's on AVX2, and the tail here) gives the 16-lane one's bits."""
+    x = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate).mul_(up)
+    out = cpu_native.silu_and_mul(x)
+    if not native_build.library().llmd_has_avx512():
+        assert out is None  # torch's ops stay
+        return
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=0, rtol=2**-7)  # at most one bf16 step apart
+    assert (out == ref).float().mean() > 0.99
+    eight = torch.empty_like(out)  # the 8-lane pass alone: rows of 8 values
+    lib = native_build.library()
+    g8 = torch.cat([gate.reshape(-1, 8), up.reshape(-1, 8)], dim=1).contiguous()
+    assert lib.llmd_silu_mul_bf16(g8.data_ptr(), eight.data_ptr(), g8.shape[0], 8, 1) == 0
+    assert torch.equal(eight.view(torch.int16), out.view(torch.int16))
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])

@@ -55,12 +55,14 @@ static inline float shim_half(uint16_t h) { /* IEEE binary16 -> float32, exact *
 
 #define AS_FLOAT(v) ((float)(v))
 #define AS_INT(v) ((int32_t)(v))
+#define LOW16(v) ((int16_t)(v)) /* VPMOVDW: each lane's low 16 bits, no saturation */
 #define ROUND_INT(v) ((int32_t)nearbyintf(v))
 LANEWISE(_mm512_cvtepi32_ps, simde__m512, float, simde__m512i, int32_t, AS_FLOAT)
 LANEWISE(_mm512_cvtps_epi32, simde__m512i, int32_t, simde__m512, float, ROUND_INT)
 LANEWISE(_mm512_cvtepi8_epi32, simde__m512i, int32_t, simde__m128i, int8_t, AS_INT)
 LANEWISE(_mm512_cvtepu8_epi32, simde__m512i, int32_t, simde__m128i, uint8_t, AS_INT)
 LANEWISE(_mm512_cvtepu16_epi32, simde__m512i, int32_t, simde__m256i, uint16_t, AS_INT)
+LANEWISE(_mm512_cvtepi32_epi16, simde__m256i, int16_t, simde__m512i, int32_t, LOW16)
 LANEWISE(_mm512_cvtneps_pbh, simde__m256bh, uint16_t, simde__m512, float, shim_bf16)
 LANEWISE(_mm512_cvtph_ps, simde__m512, float, simde__m256i, uint16_t, shim_half)
 
