@@ -33,20 +33,26 @@ def decode_attention(
     lib = native_build.library()
     if lib is None:
         return None
-    q = query if query.dtype == torch.float32 else query.float()
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty(num_seqs, num_heads, head_dim)
-    rc = lib.llmd_paged_decode_attention(
+    bf16io = query.dtype == k_cache.dtype == torch.bfloat16 and head_dim % 16 == 0
+    q = query if query.dtype == torch.float32 or bf16io else query.float()
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    # bf16 in and out: the kernel widens q and rounds its output itself, as the native decode step calls it
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.bfloat16 if bf16io else torch.float32)
+    cache = (k_cache.data_ptr(), v_cache.data_ptr())
+    if bf16io:
+        call, flag = lib.llmd_paged_decode_attention_bf16io, ()
+    else:
+        call, flag = lib.llmd_paged_decode_attention, (int(k_cache.dtype == torch.bfloat16),)
+    rc = call(
         q.data_ptr(),
         q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16),
+        *cache,
+        *flag,
         tables.data_ptr(),
         tables.stride(0),
         lens.data_ptr(),
@@ -61,7 +67,7 @@ def decode_attention(
     )
     if rc != 0:
         return None
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 # the prefill attention kernels per cache dtype, first choice first, each with the probe saying whether this build

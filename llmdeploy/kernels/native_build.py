@@ -137,6 +137,24 @@ SIGNATURES = {
         c_float,
         c_int,
     ],
+    # the same without the dtype flag: bf16 queries, cache and output
+    "llmd_paged_decode_attention_bf16io": [
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_ptr,
+        c_int64,
+        c_ptr,
+        c_ptr,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_int64,
+        c_float,
+        c_int,
+    ],
     **{
         f"llmd_paged_prefill_attention_{name}": [
             c_ptr,

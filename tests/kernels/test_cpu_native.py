@@ -92,6 +92,23 @@ def test_decode_bf16_cache_with_bf16_queries_matches_gather(lens, hkv, group, he
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("lens,hkv,group,head_dim,block_size", [c for c in CASES if c[3] % 16 == 0])
+def test_decode_bf16_in_and_out_is_the_float_kernel_rounded(lens, hkv, group, head_dim, block_size):
+    """bf16 queries (a strided view, as the model's qkv rows give them) over a bf16 cache take the bf16-in, bf16-out
+    kernel, the native decode step's: each worker widens its sequences' q and rounds their outputs itself. Its
+    answer is the float kernel's on the same values, rounded to bf16 (splits of one context and merges included)."""
+    k, v, bt, cl = paged(
+        lens, hkv, head_dim, block_size, torch.bfloat16, share=1 if len(lens) > 1 and min(lens) > 32 else 0
+    )
+    heads = hkv * group
+    qkv = torch.randn(len(lens), heads + 2 * hkv, head_dim).bfloat16()
+    q = qkv[:, :heads]
+    out = native_attention.decode_attention(q, k, v, bt, cl, head_dim**-0.5)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    as_float = native_attention.decode_attention(q.float(), k, v, bt, cl, head_dim**-0.5)
+    assert torch.equal(out.view(torch.int16), as_float.bfloat16().view(torch.int16))
+
+
 def test_decode_bf16_passes_answer_tiny_and_huge_scores():
     """Scores far apart (one token dominating) and a context of one token through the bf16 passes: the softmax's
     maximum and the masked lanes past the last token still hold."""

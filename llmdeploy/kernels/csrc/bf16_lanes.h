@@ -60,4 +60,16 @@ static inline void bf16_to_f32_rows(const uint16_t *src, float *dst, int64_t n) 
     for (; i + 8 <= n; i += 8) v8_store(dst + i, v8_load_bf16(src + i));
     for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
+
+/* n float32 (a multiple of 16 where the CPU has AVX-512 BF16) -> bf16 as the bf16 decode step rounds activations
+ * between its kernels (decode_step.c, and the decode attention's bf16 output): vcvtneps2bf16 there (denormals
+ * flushed), f32_to_bf16_rows elsewhere */
+static inline void f32_to_bf16_step(const float *src, uint16_t *dst, int64_t n) {
+#if defined(__AVX512BF16__)
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#else
+    f32_to_bf16_rows(src, dst, n);
+#endif
+}
 #endif

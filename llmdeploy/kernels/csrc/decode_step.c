@@ -58,6 +58,9 @@ int llmd_rope_store(float *, int64_t, int64_t, int64_t, int64_t, const float *, 
                     float *, float *, int);
 int llmd_rope_store_bf16(uint16_t *, int64_t, int64_t, int64_t, int64_t, const float *, const float *,
                          const int64_t *, uint16_t *, uint16_t *, int);
+int llmd_paged_decode_attention_bf16io(const uint16_t *, int64_t, const void *, const void *, const int32_t *, int64_t,
+                                       const int32_t *, uint16_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                       int);
 int llmd_paged_decode_attention(const float *, int64_t, const void *, const void *, int, const int32_t *, int64_t,
                                 const int32_t *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 int llmd_silu_mul(const float *, float *, int64_t, int64_t, int);
@@ -113,25 +116,6 @@ static int shapes_fit(int act_bf16, int64_t n_layers, const llmd_layer *L, int64
     return 1;
 }
 
-#if defined(__AVX512BF16__)
-static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c += 16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(src + r * src_stride + c));
-            _mm512_storeu_ps(dst + r * cols + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-}
-static void to_bf16(const float *src, uint16_t *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-}
-#else /* AVX2 (the bf16 linear's widening kernel) or plain C lanes */
-static void to_f32(const uint16_t *src, float *dst, int64_t rows, int64_t cols, int64_t src_stride) {
-    for (int64_t r = 0; r < rows; r++) bf16_to_f32_rows(src + r * src_stride, dst + r * cols, cols);
-}
-static void to_bf16(const float *src, uint16_t *dst, int64_t n) { f32_to_bf16_rows(src, dst, n); }
-#endif
-
 /* The rotary tables of reference.rotary_tables for each row's position: cos_sin rows are [cos | sin] (half width
  * each); cos = cos | cos, sin = -sin | sin (negation is exact: the Python layers' values). */
 static void rotary_tables(const int64_t *positions, const float *cos_sin, int64_t M, int64_t D, float *cos_out,
@@ -164,12 +148,11 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
     const size_t es = act_bf16 ? 2 : 4, qkv_row = (size_t)((H + 2 * Hkv) * D);
     char *normed = malloc(es * (size_t)(M * E)), *qkv = malloc(es * (size_t)M * qkv_row);
     char *gate_up = malloc(es * (size_t)(M * 2 * I)), *act = malloc(es * (size_t)(M * I));
-    float *attn = malloc(sizeof(float) * (size_t)(M * H * D));
-    float *q32 = act_bf16 ? malloc(sizeof(float) * (size_t)(M * H * D)) : NULL;
+    float *attn = act_bf16 ? NULL : malloc(sizeof(float) * (size_t)(M * H * D));
     uint16_t *attn16 = act_bf16 ? malloc(2 * (size_t)(M * H * D)) : NULL;
     float *rot = malloc(2 * sizeof(float) * (size_t)(M * D)); /* this step's cos rows, then its sin rows */
     int rc = -3;
-    if (!normed || !qkv || !gate_up || !act || !attn || !rot || (act_bf16 && (!q32 || !attn16))) goto done;
+    if (!normed || !qkv || !gate_up || !act || !rot || (act_bf16 ? !attn16 : !attn)) goto done;
     const float *cos = rot, *sin = rot + M * D;
     rotary_tables(positions, cos_sin, M, D, rot, rot + M * D);
     rc = 0;
@@ -186,16 +169,14 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                           : llmd_rope_store((float *)qkv, M, H, Hkv, D, cos, sin, slots, l->k_cache, l->v_cache,
                                             nthreads);
         if (rc) break;
-        const float *q = (const float *)qkv;
-        int64_t q_stride = (int64_t)qkv_row;
-        if (act_bf16) { /* as the layer's q.float(): the kernel reads float32 queries */
-            to_f32((const uint16_t *)qkv, q32, M, H * D, (int64_t)qkv_row);
-            q = q32, q_stride = H * D;
-        }
-        rc = llmd_paged_decode_attention(q, q_stride, l->k_cache, l->v_cache, act_bf16, tables, bt_stride, lens, attn,
-                                         M, H, Hkv, D, block_size, scale, nthreads);
+        /* bf16: the kernel reads q from qkv and writes its output in bf16, as the layers' q.float() and .to(bf16) */
+        rc = act_bf16 ? llmd_paged_decode_attention_bf16io((const uint16_t *)qkv, (int64_t)qkv_row, l->k_cache,
+                                                           l->v_cache, tables, bt_stride, lens, attn16, M, H, Hkv, D,
+                                                           block_size, scale, nthreads)
+                      : llmd_paged_decode_attention((const float *)qkv, (int64_t)qkv_row, l->k_cache, l->v_cache, 0,
+                                                    tables, bt_stride, lens, attn, M, H, Hkv, D, block_size, scale,
+                                                    nthreads);
         if (rc) break;
-        if (act_bf16) to_bf16(attn, attn16, M * H * D);
         rc = linear(&l->o, act_bf16, act_bf16 ? (const void *)attn16 : attn, hidden, M, q_bf16_min_rows, nthreads);
         if (!rc)
             rc = act_bf16 ? llmd_add_rms_norm_bf16(hidden, residual, l->post_norm, (uint16_t *)normed, residual, M, E,
@@ -212,7 +193,7 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
         rc = act_bf16 ? llmd_add_rms_norm_bf16(hidden, residual, final_norm, hidden, residual, M, E, eps, nthreads)
                       : llmd_add_rms_norm(hidden, residual, final_norm, hidden, residual, M, E, eps, nthreads);
 done:
-    free(normed), free(qkv), free(gate_up), free(act), free(attn), free(q32), free(attn16), free(rot);
+    free(normed), free(qkv), free(gate_up), free(act), free(attn), free(attn16), free(rot);
     return rc;
 }
 
