@@ -241,7 +241,7 @@ static void pv_8lanes(const DecodeArgs *a, const int64_t *slots, int64_t n, cons
  * m[hq] = max score, l[hq] = sum exp(score - m), acc[hq * D ..] = sum exp(score - m) * v, for query head hq.
  * One item covers every kv head, so K and V are each read token row by token row, in order. The AVX-512 passes run
  * where they apply (decode_attention_avx512.c), else the 8-lane ones.
- * Scratch: H * n scores, then n slots. */
+ * Scratch: H * n scores, then n slots; qrow: H * D floats, where a bf16 q row (q16) is widened. */
 static void decode_part(const DecodeArgs *a, int64_t b, int64_t t0, int64_t t1, float *scores, int64_t *slots,
                         float *qrow, float *m, float *l, float *acc) {
     const int64_t D = a->head_dim, H = a->num_heads, Hkv = a->num_kv_heads, n = t1 - t0;
