@@ -101,6 +101,9 @@ LINEAR_ARGS = [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c
 NORM_ARGS = [c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_float, c_int]
 ROPE_ARGS = [c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_ptr, c_int]
 Q_LINEAR_ARGS = [c_int, c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
+# q, its row stride, K and V caches, block tables, their row stride, context lengths, out, B, H, Hkv, D, block size,
+# scale, threads
+DECODE_ARGS = [c_ptr, c_int64, c_ptr, c_ptr, c_ptr, c_int64, c_ptr, c_ptr, *[c_int64] * 5, c_float, c_int]
 SIGNATURES = {
     "llmd_has_avx2": [],
     "llmd_has_avx512": [],
@@ -119,42 +122,8 @@ SIGNATURES = {
     "llmd_tile_ahead_configure": [c_int],
     "llmd_row_streams_configure": [c_int],
     "llmd_side_rows_configure": [c_int],
-    "llmd_paged_decode_attention": [
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_int,
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_float,
-        c_int,
-    ],
-    # the same without the dtype flag: bf16 queries, cache and output
-    "llmd_paged_decode_attention_bf16io": [
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_ptr,
-        c_int64,
-        c_ptr,
-        c_ptr,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_int64,
-        c_float,
-        c_int,
-    ],
+    "llmd_paged_decode_attention": [*DECODE_ARGS[:4], c_int, *DECODE_ARGS[4:]],  # c_int: the cache is bf16
+    "llmd_paged_decode_attention_bf16io": DECODE_ARGS,  # bf16 queries, cache and output
     **{
         f"llmd_paged_prefill_attention_{name}": [
             c_ptr,
