@@ -3,9 +3,9 @@
 A burst feeds each greedy (or sampled: temperature and min_p alone) token back in C and hands the engine `steps`
 tokens a sequence at once, so the Python around a step (scheduling, inputs, sampling, output bookkeeping: ~0.6 ms
 of a 6-7 ms batch-1 bf16 step of SmolLM2 on 2 Zen 4 cores, all of it running cold after the weight stream) is paid
-once per burst. A prompt that
-arrives or a request aborted during a burst ends it after the step under way (the engine's yield flag, read by the
-C loop between steps), as an ordinary step would make them wait; a stop inside a burst drops the tokens after it.
+once per burst. A prompt that arrives or a request aborted during a burst ends it after the step under way (the
+engine's yield flag, read by the C loop between steps), as an ordinary step would make them wait; a stop inside a
+burst drops the tokens after it.
 Bursts run only where that overhead is a large share of the step (a few sequences) and nobody is waiting. 8 steps
 instead of 4 measured even (bf16 batch 1, 10 alternating rounds, Zen 4)."""
 

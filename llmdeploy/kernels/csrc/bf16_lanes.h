@@ -61,9 +61,9 @@ static inline void bf16_to_f32_rows(const uint16_t *src, float *dst, int64_t n) 
     for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
-/* n float32 (a multiple of 16 where the CPU has AVX-512 BF16) -> bf16 as the bf16 decode step rounds activations
- * between its kernels (decode_step.c, and the decode attention's bf16 output): vcvtneps2bf16 there (denormals
- * flushed), f32_to_bf16_rows elsewhere */
+/* n float32 (a multiple of 16 where the CPU has AVX-512 BF16) -> bf16 as the decode attention rounds its bf16
+ * output (decode_attention.c, for the bf16 decode step and layers): vcvtneps2bf16 there (denormals flushed),
+ * f32_to_bf16_rows elsewhere */
 static inline void f32_to_bf16_step(const float *src, uint16_t *dst, int64_t n) {
 #if defined(__AVX512BF16__)
     for (int64_t i = 0; i < n; i += 16)

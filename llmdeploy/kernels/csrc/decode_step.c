@@ -169,7 +169,7 @@ int llmd_decode_layers(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                           : llmd_rope_store((float *)qkv, M, H, Hkv, D, cos, sin, slots, l->k_cache, l->v_cache,
                                             nthreads);
         if (rc) break;
-        /* bf16: the kernel reads q from qkv and writes its output in bf16, as the layers' q.float() and .to(bf16) */
+        /* bf16: the kernel reads q from qkv and writes its output in bf16 (the layers' decode attention too) */
         rc = act_bf16 ? llmd_paged_decode_attention_bf16io((const uint16_t *)qkv, (int64_t)qkv_row, l->k_cache,
                                                            l->v_cache, tables, bt_stride, lens, attn16, M, H, Hkv, D,
                                                            block_size, scale, nthreads)
