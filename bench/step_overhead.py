@@ -5,8 +5,8 @@
 
 32 requests of 128 prompt tokens decode together (greedy, EOS ignored). Each timed step of LLMEngine.step() is split
 into: schedule (Scheduler.schedule), prepare (ModelRunner.prepare: input ids, positions, slot mapping, block
-tables), forward (the model and its logits, or the native call from token ids to logits that replaces both on CPU),
-sample (Sampler) and the rest (post-processing: appending tokens, stop checks, detokenization, outputs, metrics).
+tables), forward (the model and its logits, or the native call from token ids to logits that replaces both on CPU,
+or to greedy tokens where the LM head's screen reads the head: the argmax is then in it), sample (Sampler) and the rest (post-processing: appending tokens, stop checks, detokenization, outputs, metrics).
 Overhead = step - forward. Medians over --steps steps; on a shared machine read the medians, not the means.
 """
 
@@ -49,6 +49,19 @@ class Timings:
         return out
 
 
+class TimedSampler:
+    """The engine's sampler with its calls timed; everything else (a burst's rewind) passes through."""
+
+    def __init__(self, sampler, timed) -> None:
+        self.sampler, self.timed = sampler, timed
+
+    def __call__(self, *args, **kwargs):
+        return self.timed(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampler, name)
+
+
 def instrument(llm: LLM) -> Timings:
     """Wraps the engine's scheduler, runner and sampler calls of one step (instance attributes only)."""
     engine, runner, t = llm.engine, llm.engine.runner, Timings()
@@ -60,7 +73,7 @@ def instrument(llm: LLM) -> Timings:
     for name in ("forward", "compute_logits", "decode_logits", "decode_greedy"):
         if hasattr(model, name):
             setattr(model, name, t.wrap("forward", getattr(model, name)))
-    engine.sampler = t.wrap("sample", engine.sampler)
+    engine.sampler = TimedSampler(engine.sampler, t.wrap("sample", engine.sampler))
     return t
 
 

@@ -169,16 +169,16 @@ class LLMEngine:
             self._on_scheduled(batch)
             attn = self.scheduler.attn_cost_context
             prefill_cost = sum(chunk_cost(s.num_computed_tokens, n, attn) for s, n in batch.prefills)
-            steps = self._burst_steps(batch)
-            self.step_shape, self.step_count = (prefill_cost, len(batch.decodes)), steps
+            steps = self._native_steps(batch)
+            self.step_shape, self.step_count = (prefill_cost, len(batch.decodes)), max(steps, 1)
             self.step_started = t0 = time.perf_counter()
             try:  # the block tables are read here, under the lock: an abort during the forward frees them
-                inputs = self.runner.prepare(batch, ahead=steps - 1)
+                inputs = self.runner.prepare(batch, ahead=max(steps - 1, 0))
             except Exception as exc:
                 return self._step_failed(batch, exc)
         try:
             burst, draw, states = None, None, []
-            if steps > 1:
+            if steps:
                 draw, states = self._burst_draw(batch, steps)
                 burst = self.runner.run_burst(batch, inputs, steps, self.burst_yield, draw)
                 if burst is None:
@@ -201,13 +201,14 @@ class LLMEngine:
                 self.scheduler.set_cost(self.cost.current())
             return self._process(batch, tokens, logprobs)
 
-    def _burst_steps(self, batch: ScheduledBatch) -> int:
-        """Under the lock, after scheduling: the decode steps this step's native call runs (1: an ordinary
-        step); for a burst, the blocks of its later positions are reserved here."""
+    def _native_steps(self, batch: ScheduledBatch) -> int:
+        """Under the lock, after scheduling: 0 for an ordinary step (logits, then the sampler), else the decode
+        steps one native call runs (run_burst): a burst, or one greedy step whose LM head the screen reads (the
+        same tokens, most of the head unread). For a burst, the blocks of its later positions are reserved here."""
         seqs = batch.decodes
         plain = (
-            burst_allowed(self.config.decode_burst, len(seqs), len(self.scheduler.waiting))
-            and self.runner.bursts
+            self.runner.bursts
+            and seqs
             and not batch.prefills
             and not batch.forks
             and not batch.blocks_to_copy
@@ -215,20 +216,22 @@ class LLMEngine:
             and all((plain_greedy(s) or plain_sampled(s)) and s.params.logprobs is None for s in seqs)
         )
         if not plain:
-            return 1
-        limit = self.runner.max_model_len
-        room = [
-            min(
-                limit - len(s),
-                limit if s.params.max_tokens is None else s.params.max_tokens - s.num_output_tokens,
-            )
-            for s in seqs
-        ]
-        steps = burst_steps(self.config.decode_burst, room)
-        if steps == 1 or not self.block_manager.reserve_ahead(seqs, steps - 1):
-            return 1
-        self.burst_yield.value = 0  # nobody waits now; an arrival from here on ends the burst
-        return steps
+            return 0
+        if burst_allowed(self.config.decode_burst, len(seqs), len(self.scheduler.waiting)):
+            limit = self.runner.max_model_len
+            room = [
+                min(
+                    limit - len(s),
+                    limit if s.params.max_tokens is None else s.params.max_tokens - s.num_output_tokens,
+                )
+                for s in seqs
+            ]
+            steps = burst_steps(self.config.decode_burst, room)
+            if steps > 1 and self.block_manager.reserve_ahead(seqs, steps - 1):
+                self.burst_yield.value = 0  # nobody waits now; an arrival from here on ends the burst
+                return steps
+        greedy = all(plain_greedy(s) for s in seqs)
+        return 1 if greedy and self.runner.screens_head(len(seqs)) else 0
 
     def _burst_draw(self, batch: ScheduledBatch, steps: int) -> tuple[BurstDraw | None, list]:
         """A burst's draw where any of its sequences samples (None: all greedy), and the seeded generators' states

@@ -347,6 +347,11 @@ class ModelRunner:
         """Whether run_burst can run here: the native decode step, on CPU, one rank."""
         return self.device.type == "cpu" and self.tp is None and hasattr(self.model, "decode_greedy")
 
+    def screens_head(self, rows: int) -> bool:
+        """Whether a greedy native step of `rows` rows reads the LM head through its screen (run_burst's one-step
+        call then costs less than the logits' step)."""
+        return self.bursts and self.model.screens_head(rows)
+
     def run_burst(
         self,
         batch: ScheduledBatch,

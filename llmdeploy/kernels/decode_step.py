@@ -115,20 +115,33 @@ class _Screen(ctypes.Structure):
         ("q8", ctypes.c_void_p),
         ("c_x1", ctypes.c_void_p),
         ("max_tiles", ctypes.c_int64),
+        ("bf16", ctypes.c_void_p),
+        ("c_l2", ctypes.c_void_p),
     ]
 
 
 @dataclass(frozen=True)
 class HeadScreen:
-    """The LM head's Q8 screen (csrc/head_screen.c; built by engine/models/head_screen.py): the Q8 copy in
-    llmd_q_linear's layout, the per-row bound coefficient, and the candidate tiles beyond which it declines."""
+    """The LM head's screen (csrc/head_screen.c; built by engine/models/head_screen.py): the Q8 copy in
+    llmd_q_linear's layout and its per-row bound coefficient, the candidate tiles a row beyond which it declines,
+    and for a float32 head on a CPU with bf16 products its bf16 copy (llmd_bf16_pack's layout) with the L2 bound's
+    two coefficients a row."""
 
     q8: torch.Tensor  # uint8
     c_x1: torch.Tensor  # float32 [vocab]
     max_tiles: int
+    bf16: torch.Tensor | None = None  # bf16, packed
+    c_l2: torch.Tensor | None = None  # float32 [vocab, 2]: A, B
 
     def struct(self) -> _Screen:
-        return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles)
+        bf16 = None if self.bf16 is None or self.c_l2 is None else self.bf16.data_ptr()
+        c_l2 = None if bf16 is None or self.c_l2 is None else self.c_l2.data_ptr()
+        return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles, bf16, c_l2)
+
+    def takes(self, rows: int, act_bf16: bool) -> bool:
+        """Whether a greedy step of `rows` rows reads the head through this screen."""
+        struct = self.struct()
+        return bool(native_build.library().llmd_head_screen_takes(ctypes.byref(struct), int(act_bf16), rows))
 
 
 def enabled() -> bool:

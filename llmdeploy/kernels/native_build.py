@@ -171,6 +171,7 @@ SIGNATURES = {
     + [c_ptr, c_ptr, c_int64, c_ptr, c_int64, c_ptr, c_int64, c_float, c_int64, c_int],
     # screen, act_bf16, head_w, V, K, x, M, best, tiles_read, nthreads
     "llmd_head_screen_argmax": [c_ptr, c_int, c_ptr, c_int64, c_int64, c_ptr, c_int64, c_ptr, c_ptr, c_int],
+    "llmd_head_screen_takes": [c_ptr, c_int, c_int64],
     "llmd_rope_store": ROPE_ARGS,
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     # x, rows, n, stride, inv_temp, min_p, u, out, nthreads

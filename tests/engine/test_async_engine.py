@@ -306,17 +306,20 @@ def test_an_abort_during_the_forward_fails_nothing_else(tiny_llama):
     eng.add_request("stays", kept, params)
     eng.add_request("leaves", [4, 5, 6], params)
     eng.step()  # both prompts computed: the next step decodes both
-    original = eng.runner.run
+    runner = eng.runner
 
-    def abort_mid_forward(batch, *a, **kw):
-        other = threading.Thread(
-            target=eng.abort, args=("leaves",)
-        )  # the server's thread, as on a disconnect
-        other.start()
-        other.join(10)
-        return original(batch, *a, **kw)
+    def abort_mid(forward):  # an ordinary step's or a native call's (a burst, a screened greedy step)
+        def run(batch, *a, **kw):
+            other = threading.Thread(
+                target=eng.abort, args=("leaves",)
+            )  # the server's thread, as on a disconnect
+            other.start()
+            other.join(10)
+            return forward(batch, *a, **kw)
 
-    eng.runner.run = abort_mid_forward
+        return run
+
+    runner.run, runner.run_burst = abort_mid(runner.run), abort_mid(runner.run_burst)
     finished = {}
     for _ in range(50):
         for out in eng.step():

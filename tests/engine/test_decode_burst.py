@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmdeploy.engine import LLM, SamplingParams
+from llmdeploy.engine.models import head_screen
 from llmdeploy.kernels import cpu_native, native_build
 from llmdeploy.kernels.decode_step import DecodeLayers
 from tests.engine.test_models import hf_greedy, hf_model
@@ -49,10 +50,14 @@ def engine(folder, dtype: str, burst: int) -> LLM:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_burst_gives_the_tokens_of_ordinary_steps(folder, bursts, dtype, batch):
+def test_a_burst_gives_the_tokens_of_ordinary_steps(folder, bursts, dtype, batch, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)  # 1 + 4 + 4 + 2: a short last one
+    monkeypatch.setenv(
+        head_screen.ENV_SWITCH, "0"
+    )  # no screened single greedy steps either: logits every step
     plain = [o.outputs[0].token_ids for o in engine(folder, dtype, 1).generate(PROMPTS[:batch], params)]
     assert not bursts
+    monkeypatch.delenv(head_screen.ENV_SWITCH)
     burst = engine(folder, dtype, 4)
     got = [o.outputs[0].token_ids for o in burst.generate(PROMPTS[:batch], params)]
     assert got == plain

@@ -31,6 +31,7 @@ TEST_FILES = [
         "test_cpu_native.py",
         "test_prefill_attention.py",
         "test_quant_kernels.py",
+        "test_head_screen.py",
         "test_amx_linear.py",
     )
 ]

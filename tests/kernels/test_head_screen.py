@@ -1,7 +1,8 @@
-"""The LM head's Q8 screen (kernels/csrc/head_screen.c, engine/models/head_screen.py): at each of a few rows its
-greedy token is the whole head's (the first index of the largest exact logit), through ties, near-ties and rows
-the screen cannot tell apart; where too many tiles may hold the largest it declines. Also through an engine: greedy
-tokens with the screen are the tokens without it, and the screen answered the bursts' steps."""
+"""The LM head's screen (kernels/csrc/head_screen.c, engine/models/head_screen.py): at each row its greedy token is
+the whole head's (the first index of the largest exact logit), through ties, near-ties and rows the screen cannot
+tell apart, from its Q8 copy at a few rows and a float32 head's bf16 copy at more (CPUs with AVX-512 BF16); where
+too many tiles may hold the largest it declines. Also through an engine: greedy tokens with the screen are the
+tokens without it, and the screen answered the bursts' steps and the single greedy steps of larger batches."""
 
 from __future__ import annotations
 
@@ -78,29 +79,42 @@ def test_the_screened_token_is_the_whole_heads_on_random_rows(dtype):
     assert max(read) < -(-vocab // 32) // 4  # most of the head is never computed exactly
 
 
+def bf16_copy(dtype: str) -> bool:
+    """Whether a head of this dtype gets the bf16 copy here (float32, AVX-512 BF16)."""
+    return dtype == "float32" and cpu_native.avx512_bf16_available()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 32])
 def test_several_rows_each_get_the_whole_heads_token(dtype, rows):
-    """A decode burst's rows at once: each row's token is the one the whole head's batched call gives it."""
+    """A decode step's rows at once: each row's token is the one the whole head's batched call gives it; the Q8
+    copy takes a few rows (3 bf16, 4 float32), a float32 head's bf16 copy more, and no screen declines."""
     if not packs(dtype):
         pytest.skip(f"no native {dtype} linear here")
     vocab, k = 32 * 100 + 3, 96
     w = head(dtype, vocab, k, 10)
     packed, screen = cpu_native.native_pack(w), head_screen.build(w)
+    takes = rows <= (3 if dtype == "bfloat16" else 4) or bf16_copy(dtype)
+    assert screen.takes(rows, dtype == "bfloat16") == takes
     g = torch.Generator().manual_seed(11)
     for i in range(20):
         x = (torch.randn(rows, k, generator=g) * torch.linspace(0.3, 3.0, rows)[:, None] * (1 + i % 3)).to(
             w.dtype
         )
         got = screened_argmax(screen, packed, x, vocab)
+        if not takes:
+            assert got is None
+            continue
         assert got is not None
         assert got[0] == whole_head_argmax(packed, x, vocab)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ties_and_near_ties_keep_the_first_index(dtype):
+@pytest.mark.parametrize("rows", [1, 8])
+def test_ties_and_near_ties_keep_the_first_index(dtype, rows):
     """Copies of the winning row later in the head (exact ties), and rows one float step away from it: the answer
-    is the whole head's first index of the largest, wherever the copies sit."""
+    is the whole head's first index of the largest, wherever the copies sit; at 8 rows a float32 head's bf16 copy
+    screens (the input row at 8 scales)."""
     if not packs(dtype):
         pytest.skip(f"no native {dtype} linear here")
     vocab, k = 32 * 24, 64
@@ -108,6 +122,7 @@ def test_ties_and_near_ties_keep_the_first_index(dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(k, generator=g).to(w.dtype)
     [top] = whole_head_argmax(cpu_native.native_pack(w), x, vocab)
+    xs = (x.float() * torch.linspace(0.5, 4.0, rows)[:, None]).to(w.dtype)
     for copy_at in (top + 1, vocab - 1, 5, 33):
         if copy_at == top:
             continue
@@ -118,14 +133,18 @@ def test_ties_and_near_ties_keep_the_first_index(dtype):
         nudged[(copy_at + 200) % vocab] = step  # a row a hair above or below the winner's
         for heads in (tied, nudged):
             packed, screen = cpu_native.native_pack(heads), head_screen.build(heads)
-            got = screened_argmax(screen, packed, x, vocab)
+            got = screened_argmax(screen, packed, xs, vocab)
+            if not screen.takes(rows, dtype == "bfloat16"):
+                assert got is None
+                continue
             assert got is not None
-            assert got[0] == whole_head_argmax(packed, x, vocab)
+            assert got[0] == whole_head_argmax(packed, xs, vocab)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_flat_head_is_declined(dtype):
-    """Rows the Q8 copy cannot tell apart put most tiles among the candidates: the whole head is cheaper."""
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_flat_head_is_declined(dtype, rows):
+    """Rows the screen's copy cannot tell apart put most tiles among the candidates: the whole head is cheaper."""
     if not packs(dtype):
         pytest.skip(f"no native {dtype} linear here")
     vocab, k = 32 * 16, 64
@@ -133,7 +152,7 @@ def test_a_flat_head_is_declined(dtype):
     g = torch.Generator().manual_seed(5)
     w = (base + 1e-4 * torch.randn(vocab, k, generator=g)).to(getattr(torch, dtype))
     packed, screen = cpu_native.native_pack(w), head_screen.build(w)
-    assert screened_argmax(screen, packed, torch.ones(k, dtype=w.dtype), vocab) is None
+    assert screened_argmax(screen, packed, torch.ones(rows, k, dtype=w.dtype), vocab) is None
 
 
 def test_the_bound_covers_the_q8_rounding_of_every_row():
@@ -146,6 +165,41 @@ def test_the_bound_covers_the_q8_rounding_of_every_row():
     x = torch.randn(200, 64, generator=torch.Generator().manual_seed(7))
     gap = (x.double() @ w.double().T - x.double() @ blocks.dequantize().double().T).abs()
     assert (gap <= x.abs().sum(dim=1, keepdim=True).double() * c_x1.double()).all()
+
+
+def test_the_row_that_wins_only_before_x_is_rounded_is_found():
+    """bf16-exact weights, x rounding up under one row and down under another: the second wins the exact logits
+    (2.0115 against 2.008) and loses the bf16 ones (2.0039 against 2.0156) by more than the weights' error allows;
+    only the bound's |x - bf16(x)| term keeps its tile a candidate."""
+    if not bf16_copy("float32"):
+        pytest.skip("no bf16 copy of a float32 head here: it needs AVX-512 BF16")
+    vocab, k = 32 * 40, 64
+    w = torch.zeros(vocab, k)
+    w[3, :2] = 1.0
+    w[40, 32:35] = 171 / 256  # a bf16 value
+    x = torch.zeros(8, k)
+    x[:, :2], x[:, 32:35] = 1.0040, 1.0038  # bf16: 1.0078125 (up), 1.0 (down)
+    packed, screen = cpu_native.native_pack(w), head_screen.build(w)
+    assert whole_head_argmax(packed, x, vocab) == [40] * 8
+    got = screened_argmax(screen, packed, x, vocab)
+    assert got is not None and got[0] == [40] * 8
+
+
+def test_the_l2_bound_covers_the_bf16_rounding_of_every_row():
+    """A |x|_2 + B |x - bf16(x)|_2 bounds |x.w - bf16(x).w~| for every row (float64 products), also on a head and
+    inputs with values across many binades and ones that round to subnormals."""
+    g = torch.Generator().manual_seed(12)
+    w = head("float32", 90, 64, 13) * torch.logspace(-3, 3, 64)[None, :]
+    w[0, :8] = 1e-39  # below bf16's normal range: flushed
+    rounded = head_screen.bf16_rounded(w).float()
+    assert (rounded[0, :8] == 0).all()
+    a, b = head_screen.l2_coefficients(w, rounded).double().unbind(dim=1)
+    x = torch.randn(300, 64, generator=g) * torch.logspace(2, -2, 64)[None, :]
+    xb = head_screen.bf16_rounded(x).double()
+    gap = (x.double() @ w.double().T - xb @ rounded.double().T).abs()
+    bound = x.double().norm(dim=1, keepdim=True) * a + (x.double() - xb).norm(dim=1, keepdim=True) * b
+    assert (gap <= bound).all()
+    assert (bound < 0.02 * x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)).all()  # not vacuous
 
 
 def test_no_screen_where_it_does_not_apply(monkeypatch):
@@ -169,16 +223,21 @@ def test_an_engines_greedy_tokens_are_the_same_with_the_screen(folder, dtype, mo
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [[3, 17, 42, 9, 88], list(range(10, 40)), [7]]
 
-    def run(screen: str) -> tuple[list[list[int]], int]:
+    many = [[(5 * i + j) % 250 + 1 for j in range(3 + i)] for i in range(7)]  # single steps of 7 rows
+
+    def run(screen: str) -> tuple[list[list[int]], int, int]:
         monkeypatch.setenv(head_screen.ENV_SWITCH, screen)
         llm = LLM(model=str(folder), dtype=dtype, max_model_len=128, kv_cache_gb=0.01, decode_burst=4)
         tokens = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]  # batch 1 each
         tokens += [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # bursts of 3 rows
         model = llm.engine.runner.model
         layers = next(m.native_decode.layers for m in model.modules() if hasattr(m, "native_decode"))
-        return tokens, layers.screened_steps if layers is not None else 0
+        few = layers.screened_steps if layers is not None else 0
+        tokens += [o.outputs[0].token_ids for o in llm.generate(many, params)]
+        return tokens, few, (layers.screened_steps - few) if layers is not None else 0
 
-    with_screen, screened = run("1")
-    without, none = run("0")
+    with_screen, screened, screened_many = run("1")
+    without, none, none_many = run("0")
     assert with_screen == without
-    assert none == 0 and screened > 0
+    assert none == none_many == 0 and screened > 0
+    assert (screened_many > 0) == bf16_copy(dtype)  # 7 rows: the bf16 copy's

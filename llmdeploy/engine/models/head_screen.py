@@ -1,7 +1,7 @@
-"""The LM head's screen for greedy decode at a few rows (kernels/csrc/head_screen.c): a Q8 copy of the head (exact
-Q8 weights times float32 inputs) and, per vocabulary row, how far its screened logit can be from the exact one. The
-kernel then reads the Q8 copy and only the head's tiles that may hold the largest exact logit, and answers the whole
-head's greedy token."""
+"""The LM head's screen for greedy decode (kernels/csrc/head_screen.c): a Q8 copy of the head (exact Q8 weights times
+float32 inputs) for a few rows and, for a float32 head where the CPU has bf16 products, a bf16 copy for more rows;
+per vocabulary row, how far its screened logit can be from the exact one. The kernel then reads a copy and only the
+head's tiles that may hold the largest exact logit, and answers the whole head's greedy token."""
 
 from __future__ import annotations
 
@@ -34,9 +34,31 @@ def bound_coefficients(weight: torch.Tensor, screen: torch.Tensor) -> torch.Tens
     return ((error + rounding) * (1 + 2.0**-18)).contiguous()
 
 
+def l2_coefficients(weight: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """Per row v of a float32 head (weight) and its bf16 copy as the kernel reads it (rounded, float32 values):
+    [A, B] [V, 2] such that |exact logit - screened logit| <= A |x|_2 + B |x - bf16(x)|_2 (head_screen.c says
+    why): the row's weight error and both sums' float32 rounding (2 (K + 16) units each, on |w| and |w~|, with
+    |x~| <= |x| + |x - x~| putting the second's share of it into B). The norms in float32 (sums of K squares: at
+    most K units off), covered by the margin."""
+    k = weight.shape[1]
+    rounding = 2 * (k + 16) * EPS32
+    error, norm, norm_rounded = (weight - rounded).norm(dim=1), weight.norm(dim=1), rounded.norm(dim=1)
+    margin = 1 + 4 * k * EPS32 + 2.0**-16
+    a = (error + rounding * (norm + norm_rounded)) * margin
+    b = norm_rounded * (1 + rounding) * margin
+    return torch.stack([a, b], dim=1).contiguous()
+
+
+def bf16_rounded(weight: torch.Tensor) -> torch.Tensor:
+    """float32 weights rounded to bf16 (to nearest even) with subnormals flushed, as vdpbf16ps reads them."""
+    rounded = weight.to(torch.bfloat16)
+    return torch.where(rounded.float().abs() < 2.0**-126, torch.zeros_like(rounded), rounded)
+
+
 def build(weight: torch.Tensor) -> HeadScreen | None:
     """The screen of a head whose exact weights are `weight` [V, K] (float32 or bf16 values); None where it does
-    not apply (switched off, no native kernels, K not whole blocks, a weight not finite)."""
+    not apply (switched off, no native kernels, K not whole blocks, a weight not finite). A float32 head on a CPU
+    with AVX-512 BF16 also gets the bf16 copy (half its bytes again: 57 MB for SmolLM2's)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     vocab, k = weight.shape
@@ -50,4 +72,9 @@ def build(weight: torch.Tensor) -> HeadScreen | None:
     packed = native_quant.q_pack(QFormat.Q8, blocks.q, blocks.d, None, vnni=False)
     if packed is None:
         return None
-    return HeadScreen(packed.data, c_x1, int(-(-vocab // cpu_native.F32_TILE) * MAX_TILE_SHARE))
+    max_tiles = int(-(-vocab // cpu_native.F32_TILE) * MAX_TILE_SHARE)
+    bf16, c_l2 = None, None
+    if weight.dtype == torch.float32 and cpu_native.avx512_bf16_available():
+        rounded = bf16_rounded(exact)
+        bf16, c_l2 = cpu_native.bf16_pack(rounded), l2_coefficients(exact, rounded.float())
+    return HeadScreen(packed.data, c_x1, max_tiles, bf16, c_l2)

@@ -314,6 +314,11 @@ class LlamaForCausalLM(nn.Module):
             self.model, self.lm_head, input_ids, positions, self.cos_sin_cache, meta, steps, yield_flag, draw
         )
 
+    def screens_head(self, rows: int) -> bool:
+        """Whether decode_greedy at `rows` rows reads the LM head through its screen (built at the first native
+        decode step)."""
+        return self.model.native_decode.screens_head(rows, self.model.embed_tokens.weight.dtype)
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

@@ -120,6 +120,16 @@ class NativeDecode:
             self.screen_of, self.screen = self.head, head_screen.build(self.head.weight)
         return self.screen
 
+    def screens_head(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the layers built last read the head through a screen at `rows` rows (of `dtype` activations)."""
+        layers = self.layers
+        return (
+            not self.off
+            and layers is not None
+            and layers.screen is not None
+            and layers.screen.takes(rows, dtype == torch.bfloat16)
+        )
+
     def _ready(
         self,
         model: LlamaModel,

@@ -14,13 +14,6 @@
 
 #include "head_screen.h"
 
-/* rows up to which greedy steps read the head through its screen (decode bursts run 1-4 sequences). SmolLM2 on Zen 4,
- * engine steps alternating screen on / off in one process, medians of 10-16 rounds: bf16 0.920x the time at 1 row,
- * 0.945x at 2, 0.929x at 3, 1.015x at 4 (the Q8 float32 products of 4 rows cost what the bf16 head's bytes did);
- * float32 0.874x at 1 and 2 rows, 0.930x at 4 */
-#define SCREEN_MAX_ROWS_BF16 3
-#define SCREEN_MAX_ROWS_F32 4
-
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #else
@@ -283,9 +276,9 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
  * engine sets it when a prompt arrives or a request is aborted, so neither waits for the rest of a burst). *done:
  * the steps run, their tokens in tokens[n * steps + j] for j < *done.
  *
- * screen (may be NULL): at up to SCREEN_MAX_ROWS_* rows, a float32 or bf16 head without bias, each step's argmaxes
- * come from the head's Q8 screen and the exact logits of its candidate tiles (head_screen.c: the same tokens, most
- * of the head unread); where the screen declines, the whole head. screened (may be NULL): [0] the steps it
+ * screen (may be NULL): at the rows it takes (llmd_head_screen_takes), a float32 or bf16 head without bias, each
+ * step's argmaxes come from the head's Q8 or bf16 screen and the exact logits of its candidate tiles (head_screen.c:
+ * the same tokens, most of the head unread); where the screen declines, the whole head. screened (may be NULL): [0] the steps it
  * answered, [1] the candidate tiles they computed (all rows).
  *
  * draw (may be NULL: all greedy): each row's token is drawn from its logits instead (llmd_sample_rows: the
@@ -311,9 +304,9 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
         if (positions[n] < 0 || positions[n] + steps > max_pos ||
             (positions[n] + steps - 1) / block_size >= bt_stride)
             return -1;
-    /* the screen takes a few rows of a float32 or bf16 head without bias (head_screen.c) */
-    const int screen_on = !draw && screen && M <= (act_bf16 ? SCREEN_MAX_ROWS_BF16 : SCREEN_MAX_ROWS_F32) &&
-                          !head->bias && (head->kind == LIN_F32 || head->kind == LIN_BF16);
+    /* the screen takes a float32 or bf16 head without bias, at the rows it has a copy for (head_screen.c) */
+    const int screen_on = !draw && llmd_head_screen_takes(screen, act_bf16, M) && !head->bias &&
+                          (head->kind == LIN_F32 || head->kind == LIN_BF16);
     const size_t es = act_bf16 ? 2 : 4;
     int64_t *cur = malloc(sizeof(int64_t) * (size_t)(4 * M));
     int32_t *lens_j = malloc(sizeof(int32_t) * (size_t)M);

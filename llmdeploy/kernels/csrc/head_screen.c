@@ -15,24 +15,61 @@
  * a time (the same bits as the whole head's call: the one-row walks give each tile's outputs the same sums at any
  * grouping, and a batched call's rows are the one-row call's, tested).
  *
- * Why: the head is a fifth of SmolLM2's bf16 weights (56.6 of 269 MB) and a fifth of float32's (113 of 538 MB). */
+ * More rows (float32 heads, CPUs with AVX-512 BF16): the screen's logits come from a bf16 copy of the head times x
+ * rounded to bf16 (bf16 products, twice float32's a cycle, and on AMX tiles where granted), in float32 sums. For
+ * x~ = bf16(x) and w~ the row's bf16 weights, by Cauchy-Schwarz
+ *   |x.w - x~.w~| <= |x|_2 |w - w~|_2 + |x - x~|_2 |w~|_2,
+ * plus both sums' float32 rounding (at most 2 (K + 16) units of float32's epsilon on |x|_2 |w|_2, and on
+ * |x~|_2 |w~|_2 <= (|x|_2 + |x - x~|_2) |w~|_2): e_v = A[v] |x|_2 + B[v] |x - x~|_2 (c_l2, built by
+ * engine/models/head_screen.py), the two norms computed here in float64 and 0.1% added for the float arithmetic
+ * of e_v. The L2 norms, not sum |x| max |w|: rounding errors spread over the row, so this bound is ~4x tighter (SmolLM2
+ * hidden states: 1.8 candidate tiles a row against 24 with the L1 / max bound). The rest is the Q8 screen's.
+ *
+ * Why: the head is a fifth of SmolLM2's bf16 weights (56.6 of 269 MB) and a fifth of float32's (113 of 538 MB); at
+ * 32 float32 rows it is 9 of a 54 ms step's compute (Zen 4), which bf16 products halve. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "head_screen.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define SCREEN_TILE 32  /* rows of a packed tile (F32_NR / BF16_NR) */
 #define SCREEN_BLOCK 32 /* inputs of a Q8 block (QB) */
 /* vdpbf16ps treats subnormal inputs as zero and flushes subnormal sums: an error of at most K * 2^-126 that the
  * relative bound does not cover where sum |x| itself is tiny */
 #define TINY_SLACK 1e-30f
+/* rows up to which the Q8 screen runs (engine steps alternating screen on / off in one process, SmolLM2 on Zen 4,
+ * medians of 10-16 rounds: bf16 0.920x the time at 1 row, 0.945x at 2, 0.929x at 3, 1.015x at 4, the Q8 float32
+ * products of 4 rows costing what the bf16 head's bytes did; float32 0.874x at 1 and 2 rows, 0.930x at 4) */
+#define Q8_MAX_ROWS_BF16 3
+#define Q8_MAX_ROWS_F32 4
+/* rows from which a float32 head's bf16 copy screens instead of its Q8 one (see llmd_head_screen_takes) */
+#define BF16_MIN_ROWS 5
+
+typedef enum { SCREEN_NONE, SCREEN_Q8, SCREEN_BF16 } screen_kind;
 
 int llmd_f32_linear(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t, int64_t, int);
 int llmd_bf16_linear(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t,
                      int64_t, int);
+int llmd_bf16_linear_f32out(const uint16_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, int64_t, int);
 int llmd_q_linear(int, const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
                   int);
+
+static screen_kind screen_for(const llmd_head_screen *s, int act_bf16, int64_t M) {
+    if (!s || M < 1) return SCREEN_NONE;
+    if (!act_bf16 && s->bf16 && s->c_l2 && M >= BF16_MIN_ROWS) return SCREEN_BF16;
+    if (s->q8 && s->c_x1 && M <= (act_bf16 ? Q8_MAX_ROWS_BF16 : Q8_MAX_ROWS_F32)) return SCREEN_Q8;
+    return SCREEN_NONE;
+}
+
+/* Whether a greedy step of M rows reads the head through the screen (and not the whole head). */
+int llmd_head_screen_takes(const llmd_head_screen *s, int act_bf16, int64_t M) {
+    return screen_for(s, act_bf16, M) != SCREEN_NONE;
+}
 
 static float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -51,6 +88,28 @@ static int screen_inputs(int act_bf16, const void *x, int64_t K, float *xf, floa
         s1 += fabsf(v);
     }
     *x1 = (float)s1;
+    return 1;
+}
+
+/* float32 x rounded to bf16 (to nearest even, subnormals flushed as vdpbf16ps reads them) into xb, and the two
+ * norms of the bound, |x|_2 and |x - xb|_2 (float64, rounded up a little); 0 where an input is not finite */
+static int bf16_inputs(const float *x, int64_t K, uint16_t *xb, float *n2) {
+    double sx = 0.0, sd = 0.0;
+    for (int64_t k = 0; k < K; k++) {
+        if (!isfinite(x[k])) return 0;
+        uint32_t u;
+        memcpy(&u, x + k, 4);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* subnormal (or zero): the kernel reads zero */
+        float r;
+        memcpy(&r, &u, 4);
+        if (!isfinite(r)) return 0; /* rounded past the largest bf16 */
+        xb[k] = (uint16_t)(u >> 16);
+        sx += (double)x[k] * x[k];
+        sd += ((double)x[k] - r) * ((double)x[k] - r);
+    }
+    n2[0] = (float)(sqrt(sx) * (1 + 1e-6));
+    n2[1] = (float)(sqrt(sd) * (1 + 1e-6));
     return 1;
 }
 
@@ -81,68 +140,160 @@ static int exact_tile(int act_bf16, const void *head_w, const void *x, int64_t V
     return rc;
 }
 
-/* row m's candidate tiles (those with a row that can reach the largest exact logit) into cand as m * tiles + t, after
- * the n already there; -1 where the row's lower bound is not finite or it has more than max_tiles */
-static int64_t row_candidates(const llmd_head_screen *s, int act_bf16, const float *a, float x1, int64_t V,
-                              int64_t tiles, int64_t m, int64_t *cand, int64_t n) {
-    const float x1m = x1 * 1.001f;
-    float floor_max = -INFINITY; /* T: the largest exact logit is at least this */
-    for (int64_t v = 0; v < V; v++) {
-        const float lo = a[v] - (s->c_x1[v] * x1m + TINY_SLACK);
-        floor_max = lo > floor_max ? lo : floor_max;
+/* One row's error bound: e_v = c1[v * stride] * s1 (+ c2[v * stride] * s2) + TINY_SLACK, each s with its margin. */
+typedef struct {
+    const float *c1, *c2; /* c2 may be NULL */
+    int64_t stride;
+    float s1, s2;
+} row_error;
+
+static inline float error_at(const row_error *e, int64_t v) {
+    const float t = e->c1[v * e->stride] * e->s1;
+    return (e->c2 ? t + e->c2[v * e->stride] * e->s2 : t) + TINY_SLACK;
+}
+
+#if defined(__AVX512F__)
+/* e_v of 16 vocabulary rows from v, as error_at computes each */
+static inline __m512 error16(const row_error *e, int64_t v) {
+    __m512 t;
+    if (e->stride == 1) {
+        t = _mm512_mul_ps(_mm512_loadu_ps(e->c1 + v), _mm512_set1_ps(e->s1));
+        if (e->c2) t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_loadu_ps(e->c2 + v), _mm512_set1_ps(e->s2)));
+    } else { /* stride 2: c1 and c2 interleaved (c_l2's [A, B] pairs) */
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512 lo = _mm512_loadu_ps(e->c1 + 2 * v), hi = _mm512_loadu_ps(e->c1 + 2 * v + 16);
+        t = _mm512_mul_ps(_mm512_permutex2var_ps(lo, even, hi), _mm512_set1_ps(e->s1));
+        if (e->c2) {
+            const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+            t = _mm512_add_ps(t, _mm512_mul_ps(_mm512_permutex2var_ps(lo, odd, hi), _mm512_set1_ps(e->s2)));
+        }
     }
+    return _mm512_add_ps(t, _mm512_set1_ps(TINY_SLACK));
+}
+#define VECTOR_ERRORS(e) ((e)->stride == 1 || ((e)->stride == 2 && (e)->c2 == (e)->c1 + 1))
+#endif
+
+/* T = max_v (a_v - e_v): the row's largest exact logit is at least this */
+static float lower_max(const float *a, const row_error *e, int64_t V) {
+    float best = -INFINITY;
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if (VECTOR_ERRORS(e)) {
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (; v + 16 <= V; v += 16) m = _mm512_max_ps(m, _mm512_sub_ps(_mm512_loadu_ps(a + v), error16(e, v)));
+        best = _mm512_reduce_max_ps(m);
+    }
+#endif
+    for (; v < V; v++) {
+        const float lo = a[v] - error_at(e, v);
+        best = lo > best ? lo : best;
+    }
+    return best;
+}
+
+/* whether a row of tile t can reach `reach` */
+static int tile_reaches(const float *a, const row_error *e, int64_t V, int64_t t, float reach) {
+    const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
+    int64_t v = t * SCREEN_TILE;
+#if defined(__AVX512F__)
+    if (VECTOR_ERRORS(e)) {
+        const __m512 r = _mm512_set1_ps(reach);
+        for (; v + 16 <= end; v += 16)
+            if (_mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + v), error16(e, v)), r, _CMP_GE_OQ)) return 1;
+    }
+#endif
+    for (; v < end; v++)
+        if (a[v] + error_at(e, v) >= reach) return 1;
+    return 0;
+}
+
+/* row m's candidate tiles (those with a row that can reach the largest exact logit) into cand[0..], their count; -1
+ * where the row's lower bound is not finite or it has more than max_tiles */
+static int64_t row_candidates(const llmd_head_screen *s, int act_bf16, const float *a, const row_error *e, int64_t V,
+                              int64_t tiles, int64_t *cand) {
+    const float floor_max = lower_max(a, e, V);
     if (!isfinite(floor_max)) return -1;
     const float reach = act_bf16 ? bf16_floor_mid(floor_max) : floor_max;
-    const int64_t first = n;
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
-        for (int64_t v = t * SCREEN_TILE; v < end; v++)
-            if (a[v] + (s->c_x1[v] * x1m + TINY_SLACK) >= reach) {
-                if (n - first == s->max_tiles) return -1;
-                cand[n++] = m * tiles + t;
-                break;
-            }
-    }
+    int64_t n = 0;
+    for (int64_t t = 0; t < tiles; t++)
+        if (tile_reaches(a, e, V, t, reach)) {
+            if (n == s->max_tiles) return -1;
+            cand[n++] = t;
+        }
     return n;
+}
+
+/* every row's screened logits a [M, V] and error bounds; 0 where it declines */
+static int screened_logits(const llmd_head_screen *s, screen_kind kind, int act_bf16, const void *x, int64_t M,
+                           int64_t V, int64_t K, float *a, row_error *err, int nthreads) {
+    const size_t es = act_bf16 ? 2 : 4;
+    int ok = 0;
+    if (kind == SCREEN_Q8) {
+        float *xf = malloc(sizeof(float) * (size_t)(M * K)), *x1 = malloc(sizeof(float) * (size_t)M);
+        ok = xf && x1;
+        for (int64_t m = 0; m < M && ok; m++)
+            ok = screen_inputs(act_bf16, (const char *)x + es * (size_t)(m * K), K, xf + m * K, x1 + m);
+        ok = ok && llmd_q_linear(0 /* Q8 */, xf, K, s->q8, NULL, a, M, V, K, nthreads) == 0;
+        for (int64_t m = 0; m < M && ok; m++) err[m] = (row_error){s->c_x1, NULL, 1, x1[m] * 1.001f, 0.0f};
+        free(xf), free(x1);
+        return ok;
+    }
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
+    float *n2 = malloc(2 * sizeof(float) * (size_t)M);
+    ok = xb && n2;
+    for (int64_t m = 0; m < M && ok; m++) ok = bf16_inputs((const float *)x + m * K, K, xb + m * K, n2 + 2 * m);
+    ok = ok && llmd_bf16_linear_f32out(xb, K, s->bf16, a, M, V, K, nthreads) == 0;
+    for (int64_t m = 0; m < M && ok; m++)
+        err[m] = (row_error){s->c_l2, s->c_l2 + 1, 2, n2[2 * m] * 1.001f, n2[2 * m + 1] * 1.001f};
+    free(xb), free(n2);
+    return ok;
 }
 
 /* x: M rows (row stride K) of the head's input (float32, or bf16 with act_bf16); head_w: the head packed for
  * llmd_f32_linear / llmd_bf16_linear, no bias. Returns 0 with best[M] (and *tiles_read, the candidate tiles
- * computed, all rows), 1 where it declines (an input not finite, K not whole blocks, a row with more candidates than
- * s->max_tiles, out of memory): the caller then computes the whole head. */
+ * computed, all rows), 1 where it declines (no screen for M rows, an input not finite, K not whole blocks, a row
+ * with more candidates than s->max_tiles, out of memory): the caller then computes the whole head. */
 int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void *head_w, int64_t V, int64_t K,
                             const void *x, int64_t M, int64_t *best, int64_t *tiles_read, int nthreads) {
-    if (!s || !s->q8 || V < 1 || K < 1 || M < 1 || K % SCREEN_BLOCK) return 1;
+    const screen_kind kind = screen_for(s, act_bf16, M);
+    if (kind == SCREEN_NONE || V < 1 || K < 1 || K % SCREEN_BLOCK) return 1;
     const int64_t tiles = (V + SCREEN_TILE - 1) / SCREEN_TILE;
     const size_t es = act_bf16 ? 2 : 4;
-    float *xf = malloc(sizeof(float) * (size_t)(M * K)), *x1 = malloc(sizeof(float) * (size_t)M);
-    float *a = malloc(sizeof(float) * (size_t)(M * V));
-    float *exact = malloc(sizeof(float) * (size_t)(M * tiles * SCREEN_TILE));
+    float *a = malloc(sizeof(float) * (size_t)(M * V)), *exact = NULL;
+    row_error *err = malloc(sizeof(row_error) * (size_t)M);
     int64_t *cand = malloc(sizeof(int64_t) * (size_t)(M * tiles));
+    int64_t *found = malloc(sizeof(int64_t) * (size_t)M);
+    float *top = malloc(sizeof(float) * (size_t)M); /* each row's largest exact logit so far */
     int rc = 1;
-    if (!xf || !x1 || !a || !exact || !cand) goto done;
+    if (!a || !err || !cand || !found || !top || !screened_logits(s, kind, act_bf16, x, M, V, K, a, err, nthreads)) goto done;
+    int declined = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : declined)
+    for (int64_t m = 0; m < M; m++) { /* row m's tiles in cand[m * tiles ..], then its count in found[m] */
+        found[m] = row_candidates(s, act_bf16, a + m * V, err + m, V, tiles, cand + m * tiles);
+        declined |= found[m] < 0;
+    }
+    if (declined) goto done;
+    int64_t n = 0; /* the candidates as m * tiles + t, rows in order, each row's tiles in order */
     for (int64_t m = 0; m < M; m++)
-        if (!screen_inputs(act_bf16, (const char *)x + es * (size_t)(m * K), K, xf + m * K, x1 + m)) goto done;
-    if (llmd_q_linear(0 /* Q8 */, xf, K, s->q8, NULL, a, M, V, K, nthreads) != 0) goto done;
-    int64_t n = 0;
-    for (int64_t m = 0; m < M && n >= 0; m++) n = row_candidates(s, act_bf16, a + m * V, x1[m], V, tiles, m, cand, n);
-    if (n < 0) goto done;
+        for (int64_t i = 0; i < found[m]; i++) cand[n++] = m * tiles + cand[m * tiles + i];
+    if (!(exact = malloc(sizeof(float) * (size_t)(n * SCREEN_TILE)))) goto done;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t i = 0; i < n; i++) {
         const int64_t m = cand[i] / tiles, t = cand[i] % tiles;
         failed |= exact_tile(act_bf16, head_w, (const char *)x + es * (size_t)(m * K), V, K, t,
-                             exact + (m * tiles + t) * SCREEN_TILE) != 0;
+                             exact + i * SCREEN_TILE) != 0;
     }
     if (failed) goto done;
     for (int64_t m = 0; m < M; m++) best[m] = -1;
     for (int64_t i = 0; i < n; i++) { /* each row's tiles in index order, rows in order: ties keep the first */
         const int64_t m = cand[i] / tiles, t = cand[i] % tiles;
         const int64_t end = (t + 1) * SCREEN_TILE < V ? (t + 1) * SCREEN_TILE : V;
-        const float *row = exact + m * tiles * SCREEN_TILE;
+        const float *tile = exact + i * SCREEN_TILE;
         for (int64_t v = t * SCREEN_TILE; v < end; v++) {
-            if (row[v] != row[v]) goto done; /* a NaN: the whole head's argmax has its own rule for it */
-            if (best[m] < 0 || row[v] > row[best[m]]) best[m] = v;
+            const float y = tile[v - t * SCREEN_TILE];
+            if (y != y) goto done; /* a NaN: the whole head's argmax has its own rule for it */
+            if (best[m] < 0 || y > top[m]) best[m] = v, top[m] = y;
         }
     }
     for (int64_t m = 0; m < M; m++)
@@ -150,6 +301,6 @@ int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void 
     *tiles_read = n;
     rc = 0;
 done:
-    free(xf), free(x1), free(a), free(exact), free(cand);
+    free(a), free(exact), free(err), free(cand), free(found), free(top);
     return rc;
 }

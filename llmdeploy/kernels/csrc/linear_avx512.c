@@ -351,6 +351,28 @@ int llmd_bf16_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed
 #endif
 }
 
+/* llmd_bf16_linear's sums without its rounding to bf16 and without a bias: y[M, N] float32 (the head screen's
+ * logits, head_screen.c). -2 without AVX-512 BF16. */
+int llmd_bf16_linear_f32out(const uint16_t *x, int64_t x_stride, const uint16_t *packed, float *y, int64_t M, int64_t N,
+                            int64_t K, int nthreads) {
+#if defined(__AVX512BF16__)
+    if (nthreads < 1 || M < 1 || K % 2) return -1;
+    if (llmd_bf16_linear_amx(x, x_stride, packed, NULL, y, M, N, K, nthreads, 1) == 0) return 0;
+    const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int real = N - t * BF16_NR < BF16_NR ? (int)(N - t * BF16_NR) : BF16_NR;
+        for (int64_t m = 0; m < M; m += F32_MR)
+            bf16_rows(x + m * x_stride, x_stride, packed + t * BF16_NR * K, K, NULL, y + m * N + t * BF16_NR, N, real,
+                      M - m < F32_MR ? M - m : F32_MR, 1);
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)packed; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return -2;
+#endif
+}
+
 /* ---------------------------------------------------------------- block-quantized weights, many rows (AVX-512 BF16) */
 
 /* The float kernel's Q8/Q4 layout (llmd_q_pack, vnni = 0) at prefill sizes: each 32-channel tile is dequantized
