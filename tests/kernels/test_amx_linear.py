@@ -74,6 +74,26 @@ def test_amx_and_vdpbf16ps_agree_and_the_switch_turns_amx_off(amx_from):
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [4, 5, 17, 33])
+def test_the_head_screens_float32_sums_on_amx_tiles(rows, amx_from):
+    """The head screen's bf16 copy on AMX tiles (llmd_bf16_linear_f32out, float32 output): the exact products' sums
+    within K float32 roundings, and the screen's tokens are the whole head's."""
+    from llmdeploy.engine.models import head_screen
+    from tests.kernels.test_head_screen import assert_float32_sums, screened_argmax, whole_head_argmax
+
+    assert amx_from(1) == 1
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(70, 96, generator=g) * 0.05).bfloat16()
+    assert_float32_sums(torch.randn(rows, 96, generator=g).bfloat16(), w, cpu_native.bf16_pack(w))
+    vocab, k = 32 * 60 + 5, 128
+    head = torch.randn(vocab, k, generator=g) * 0.05
+    packed, screen = cpu_native.f32_pack(head), head_screen.build(head)
+    x = torch.randn(rows, k, generator=g)
+    got = screened_argmax(screen, packed, x, vocab)
+    assert got is not None and got[0] == whole_head_argmax(packed, x, vocab)
+
+
+@needs_amx
 def test_amx_linear_declines_k_off_its_tiles(amx_from):
     """K not a multiple of 32: the vdpbf16ps kernel runs those rows (same bound)."""
     assert amx_from(1) == 1

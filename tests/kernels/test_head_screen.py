@@ -167,6 +167,35 @@ def test_the_bound_covers_the_q8_rounding_of_every_row():
     assert (gap <= x.abs().sum(dim=1, keepdim=True).double() * c_x1.double()).all()
 
 
+def bf16_sums(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """llmd_bf16_linear_f32out: x [M, K] bf16 against a bf16-packed weight, float32 sums not rounded to bf16."""
+    y = torch.empty(x.shape[0], n)
+    rc = native_build.library().llmd_bf16_linear_f32out(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), x.shape[0], n, x.shape[1], 1
+    )
+    assert rc == 0
+    return y
+
+
+def assert_float32_sums(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor) -> None:
+    """The sums are the exact bf16 products' sums within K float32 roundings of their magnitude (what the
+    screen's bound allows them)."""
+    out = bf16_sums(x, packed, w.shape[0]).double()
+    exact = x.double() @ w.double().T
+    allowed = x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((out - exact).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 32])
+def test_the_bf16_copys_sums_are_float32_sums_of_exact_products(rows):
+    if not bf16_copy("float32"):
+        pytest.skip("no bf16 copy of a float32 head here: it needs AVX-512 BF16")
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(70, 96, generator=g) * 0.05).bfloat16()  # a channel tail in the last tile
+    x = torch.randn(rows, 2 * 96, generator=g).bfloat16()[:, :96]  # a row stride
+    assert_float32_sums(x, w, cpu_native.bf16_pack(w))
+
+
 def test_the_row_that_wins_only_before_x_is_rounded_is_found():
     """bf16-exact weights, x rounding up under one row and down under another: the second wins the exact logits
     (2.0115 against 2.008) and loses the bf16 ones (2.0039 against 2.0156) by more than the weights' error allows;
