@@ -208,7 +208,7 @@ class LLMEngine:
         seqs = batch.decodes
         plain = (
             self.runner.bursts
-            and seqs
+            and len(seqs) > 0
             and not batch.prefills
             and not batch.forks
             and not batch.blocks_to_copy

@@ -134,9 +134,12 @@ class HeadScreen:
     c_l2: torch.Tensor | None = None  # float32 [vocab, 2]: A, B
 
     def struct(self) -> _Screen:
-        bf16 = None if self.bf16 is None or self.c_l2 is None else self.bf16.data_ptr()
-        c_l2 = None if bf16 is None or self.c_l2 is None else self.c_l2.data_ptr()
-        return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles, bf16, c_l2)
+        copy = (
+            (self.bf16.data_ptr(), self.c_l2.data_ptr())
+            if self.bf16 is not None and self.c_l2 is not None
+            else (None, None)
+        )
+        return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles, *copy)
 
     def takes(self, rows: int, act_bf16: bool) -> bool:
         """Whether a greedy step of `rows` rows reads the head through this screen."""

@@ -236,6 +236,10 @@ def test_no_screen_where_it_does_not_apply(monkeypatch):
     bad = head("float32", 64, 64, 8)
     bad[3, 5] = float("inf")
     assert head_screen.build(bad) is None
+    huge = head("float32", 64, 64, 10)
+    huge[2, 3] = 3.4e38  # finite in float32, infinite in bf16: the Q8 copy only
+    screen = head_screen.build(huge)
+    assert screen is not None and screen.bf16 is None and not screen.takes(8, False)
     monkeypatch.setenv(head_screen.ENV_SWITCH, "0")
     assert head_screen.build(head("float32", 64, 64, 9)) is None
 

@@ -76,5 +76,7 @@ def build(weight: torch.Tensor) -> HeadScreen | None:
     bf16, c_l2 = None, None
     if weight.dtype == torch.float32 and cpu_native.avx512_bf16_available():
         rounded = bf16_rounded(exact)
-        bf16, c_l2 = cpu_native.bf16_pack(rounded), l2_coefficients(exact, rounded.float())
+        c_l2 = l2_coefficients(exact, rounded.float())
+        # a weight past bf16's range rounds to infinity: no bound, no copy
+        bf16, c_l2 = (cpu_native.bf16_pack(rounded), c_l2) if torch.isfinite(c_l2).all() else (None, None)
     return HeadScreen(packed.data, c_x1, max_tiles, bf16, c_l2)
