@@ -155,6 +155,23 @@ def test_a_flat_head_is_declined(dtype, rows):
     assert screened_argmax(screen, packed, torch.ones(rows, k, dtype=w.dtype), vocab) is None
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_logit_whose_sum_overflows_is_not_screened_away(rows):
+    """A row whose products overflow (+1e40 and -1e40): the whole head's float32 sums make it +inf, the winner; the
+    screen's sums, in another order (vdpbf16ps adds a pair's products its own way), may make it -inf or NaN. The
+    screen must not answer with a finite row: it declines where a screened logit is not finite."""
+    vocab, k = 32 * 40, 64
+    w = head("float32", vocab, k, 14)
+    w[70, 0], w[70, 1] = 1e10, -1e10
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(15))
+    x[:, :2] = 1e30
+    packed, screen = cpu_native.native_pack(w), head_screen.build(w)
+    whole = whole_head_argmax(packed, x, vocab)
+    assert whole == [70] * rows
+    got = screened_argmax(screen, packed, x, vocab)
+    assert got is None or got[0] == whole
+
+
 def test_the_bound_covers_the_q8_rounding_of_every_row():
     """c_x1 is at least the largest weight error of its row, so c_x1 sum |x| bounds the logit's error."""
     w = head("float32", 70, 64, 6)

@@ -1,4 +1,4 @@
-/* Greedy decode's LM head at a few rows without reading all of it: the head's logits from a Q8 copy of its weights
+/* Greedy decode's LM head without reading all of it: at a few rows the head's logits from a Q8 copy of its weights
  * (llmd_q_linear: the Q8 weights exactly, times float32 x; half of bf16's bytes, a quarter of float32's), a bound on
  * how far each can be from the exact logit, and the exact logits of only the tiles of 32 rows that may hold the
  * largest. The answer is the whole head's: the first index of the largest exact logit, as llmd_argmax_rows picks.
@@ -175,18 +175,26 @@ static inline __m512 error16(const row_error *e, int64_t v) {
 #define VECTOR_ERRORS(e) ((e)->stride == 1 || ((e)->stride == 2 && (e)->c2 == (e)->c1 + 1))
 #endif
 
-/* T = max_v (a_v - e_v): the row's largest exact logit is at least this */
+/* T = max_v (a_v - e_v): the row's largest exact logit is at least this; NaN where a screened logit is not finite
+ * (a sum that overflowed: the bound assumes none, and the exact sum may overflow otherwise, in its own order) */
 static float lower_max(const float *a, const row_error *e, int64_t V) {
     float best = -INFINITY;
     int64_t v = 0;
 #if defined(__AVX512F__)
     if (VECTOR_ERRORS(e)) {
         __m512 m = _mm512_set1_ps(-INFINITY);
-        for (; v + 16 <= V; v += 16) m = _mm512_max_ps(m, _mm512_sub_ps(_mm512_loadu_ps(a + v), error16(e, v)));
+        __mmask16 off = 0;
+        for (; v + 16 <= V; v += 16) {
+            const __m512 av = _mm512_loadu_ps(a + v), zero = _mm512_sub_ps(av, av); /* NaN where av is not finite */
+            off |= _mm512_cmp_ps_mask(zero, zero, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, _mm512_sub_ps(av, error16(e, v)));
+        }
+        if (off) return NAN;
         best = _mm512_reduce_max_ps(m);
     }
 #endif
     for (; v < V; v++) {
+        if (!isfinite(a[v])) return NAN;
         const float lo = a[v] - error_at(e, v);
         best = lo > best ? lo : best;
     }
@@ -267,7 +275,8 @@ int llmd_head_screen_argmax(const llmd_head_screen *s, int act_bf16, const void 
     int64_t *found = malloc(sizeof(int64_t) * (size_t)M);
     float *top = malloc(sizeof(float) * (size_t)M); /* each row's largest exact logit so far */
     int rc = 1;
-    if (!a || !err || !cand || !found || !top || !screened_logits(s, kind, act_bf16, x, M, V, K, a, err, nthreads)) goto done;
+    if (!a || !err || !cand || !found || !top) goto done;
+    if (!screened_logits(s, kind, act_bf16, x, M, V, K, a, err, nthreads)) goto done;
     int declined = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : declined)
     for (int64_t m = 0; m < M; m++) { /* row m's tiles in cand[m * tiles ..], then its count in found[m] */

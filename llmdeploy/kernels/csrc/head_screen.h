@@ -1,4 +1,5 @@
-/* The LM head's screen for greedy decode at a few rows (head_screen.c). */
+/* The LM head's screen for greedy decode: a Q8 copy for a few rows, a float32 head's bf16 copy for more
+ * (head_screen.c). */
 #ifndef LLMD_HEAD_SCREEN_H
 #define LLMD_HEAD_SCREEN_H
 #include <stdint.h>
