@@ -1,12 +1,14 @@
-"""The LM head's screen (kernels/csrc/head_screen.c) in engine decode steps: greedy bursts of 1-4 sequences with the
-screen on and off, alternating in one engine, each run after a read-bandwidth probe. Prints per row count the median
-on/off time ratio, each side's step against the bandwidth floor of its own probe (weights + K/V at the dtype), and
-the candidate tiles a screened step computed (of the head's ceil(vocab / 32)).
+"""The LM head's screen (kernels/csrc/head_screen.c) in engine decode steps: greedy steps of 1-32 sequences (bursts
+at 1-4) with the screen on and off, alternating in one engine, each run after a read-bandwidth probe. Prints per row
+count the median on/off time ratio, each side's step against the bandwidth floor of its own probe (weights + K/V at
+the dtype), and the candidate tiles a screened step computed (of the head's ceil(vocab / 32)).
 
     python bench/head_screen.py [--dtypes bfloat16,float32] [--rows 1,2,3,4] [--rounds 12] [--steps 12]
 
-The screen is on where decode_step.c takes it (bf16 up to 3 rows, float32 up to 4): at other row counts both sides
-run the whole head, and their ratio shows the noise.
+The screen is on where head_screen.c takes it (its Q8 copy: bf16 up to 3 rows, float32 up to 4; a float32 head's
+bf16 copy from 5 rows where the CPU has AVX-512 BF16): at other row counts both sides run the whole head, and their
+ratio shows the noise. Off, a greedy step past 4 rows still runs as one native call (argmax in C), so the two sides
+differ only in the head's screen.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
     print(ceilings.cpu_info().line())
+    rows_list = [int(r) for r in args.rows.split(",")]
     for dtype in args.dtypes.split(","):
-        llm = LLM(model=MODEL, dtype=dtype, max_num_seqs=8)
+        llm = LLM(model=MODEL, dtype=dtype, max_num_seqs=max(8, *rows_list))
         llm.generate(
             [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         )  # builds the step
@@ -98,7 +101,7 @@ def main() -> None:
         if layers_of(llm) is None:
             print(f"[{dtype}] no head screen here (no native decode step, or LLMDEPLOY_HEAD_SCREEN=0)")
             continue
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in rows_list:
             print(
                 f"[{dtype}] " + alternate(llm, dtype, rows, args.rounds, args.steps).line(rows, head_tiles),
                 flush=True,

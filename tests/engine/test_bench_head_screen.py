@@ -26,3 +26,6 @@ def test_the_bench_alternates_the_screen_and_counts_its_steps(tmp_path):
     assert runs.steps >= 2 * 3  # every screened timed step (and more: the bursts' untimed ones)
     assert runs.tiles >= runs.steps  # at least one candidate tile a step
     assert layers_of(llm).screen_struct is not None  # left on
+    if cpu_native.avx512_bf16_available():  # a float32 head's bf16 copy screens single steps of more rows
+        many = alternate(llm, "float32", rows=6, rounds=2, steps=3, prompt_len=16, probe_mib=16)
+        assert many.steps >= 2 * 3 and many.tiles >= many.steps
