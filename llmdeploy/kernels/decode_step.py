@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import os
 from dataclasses import dataclass
 
@@ -141,10 +142,14 @@ class HeadScreen:
         )
         return _Screen(self.q8.data_ptr(), self.c_x1.data_ptr(), self.max_tiles, *copy)
 
+    @functools.cached_property
+    def _takes_struct(self) -> _Screen:  # built once: `takes` is asked at every greedy decode step
+        return self.struct()
+
     def takes(self, rows: int, act_bf16: bool) -> bool:
         """Whether a greedy step of `rows` rows reads the head through this screen."""
-        struct = self.struct()
-        return bool(native_build.library().llmd_head_screen_takes(ctypes.byref(struct), int(act_bf16), rows))
+        struct = ctypes.byref(self._takes_struct)
+        return bool(native_build.library().llmd_head_screen_takes(struct, int(act_bf16), rows))
 
 
 def enabled() -> bool:

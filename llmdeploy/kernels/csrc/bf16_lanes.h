@@ -1,7 +1,8 @@
 /* float32 -> bfloat16 rounded to nearest even, as torch and vcvtneps2bf16 round (NaN stays a quiet NaN), for the
  * kernels without AVX-512 BF16's instruction: the bf16 norm and rotary ops (fused_ops.c), the AVX2 bf16 linear
  * (bf16_linear_avx2.c), the bf16 decode step's activations (decode_step.c) and the widening prefill attention
- * (prefill_attention_f32.c); and bf16 -> float32 rows for the last two. */
+ * (prefill_attention_f32.c), the head screen's bf16 inputs (head_screen.c); and bf16 -> float32 rows for the
+ * decode step and the prefill attention. */
 #ifndef LLMD_BF16_LANES_H
 #define LLMD_BF16_LANES_H
 #include "lanes.h"

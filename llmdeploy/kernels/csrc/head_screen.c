@@ -31,11 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_lanes.h"
 #include "head_screen.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define SCREEN_TILE 32  /* rows of a packed tile (F32_NR / BF16_NR) */
 #define SCREEN_BLOCK 32 /* inputs of a Q8 block (QB) */
@@ -73,13 +70,6 @@ int llmd_head_screen_takes(const llmd_head_screen *s, int act_bf16, int64_t M) {
     return screen_for(s, act_bf16, M) != SCREEN_NONE;
 }
 
-static float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x as float32 and sum |x|; 0 where an input is not finite */
 static int screen_inputs(int act_bf16, const void *x, int64_t K, float *xf, float *x1) {
     double s1 = 0.0;
@@ -99,14 +89,11 @@ static int bf16_inputs(const float *x, int64_t K, uint16_t *xb, float *n2) {
     double sx = 0.0, sd = 0.0;
     for (int64_t k = 0; k < K; k++) {
         if (!isfinite(x[k])) return 0;
-        uint32_t u;
-        memcpy(&u, x + k, 4);
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        if ((u & 0x7f800000u) == 0) u &= 0x80000000u; /* subnormal (or zero): the kernel reads zero */
-        float r;
-        memcpy(&r, &u, 4);
+        uint16_t h = bf16_round(x[k]);
+        if ((h & 0x7f80u) == 0) h &= 0x8000u; /* subnormal (or zero): the kernel reads zero */
+        const float r = bf16_to_f32(h);
         if (!isfinite(r)) return 0; /* rounded past the largest bf16 */
-        xb[k] = (uint16_t)(u >> 16);
+        xb[k] = h;
         sx += (double)x[k] * x[k];
         sd += ((double)x[k] - r) * ((double)x[k] - r);
     }
@@ -118,12 +105,10 @@ static int bf16_inputs(const float *x, int64_t K, uint16_t *xb, float *n2) {
 /* the midpoint below bf16(t) (t rounded to nearest even): every float32 that rounds to bf16(t) or higher is at
  * least this */
 static float bf16_floor_mid(float t) {
-    uint32_t u;
-    memcpy(&u, &t, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u; /* bf16(t), as a float32's bits */
-    uint32_t below;                                      /* the next bf16 below it */
-    if ((u & 0x7fffffffu) == 0) below = 0x80010000u;     /* +-0: the smallest negative */
-    else if (u & 0x80000000u) below = u + 0x10000u;      /* negative: one step larger in magnitude */
+    const uint32_t u = (uint32_t)bf16_round(t) << 16; /* bf16(t), as a float32's bits */
+    uint32_t below;                                    /* the next bf16 below it */
+    if ((u & 0x7fffffffu) == 0) below = 0x80010000u;   /* +-0: the smallest negative */
+    else if (u & 0x80000000u) below = u + 0x10000u;    /* negative: one step larger in magnitude */
     else below = u - 0x10000u;
     float b, p;
     memcpy(&b, &u, 4);
