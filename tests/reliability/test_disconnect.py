@@ -11,7 +11,18 @@ import pytest
 from tests.reliability.conftest import aborted_total, load_of, local_first_spec, token_table
 from tests.router.conftest import CLIENT_KEY, chat_body, wait_until
 
-LONG = chat_body(max_tokens=1000, ignore_eos=True, temperature=0)
+# logprobs and penalties: every token an ordinary step through the Python sampler (no decode burst, no screened native
+# step), so the tiny model's 1,000 tokens outlast the client's disconnect (~0.7 s; in bursts they took 0.18 s, and
+# once finished before the router saw the client go)
+LONG = chat_body(
+    max_tokens=1000,
+    ignore_eos=True,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=2,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+)
 
 
 def raw_request(url: str, path: str, body: dict, rid: str) -> socket.socket:
