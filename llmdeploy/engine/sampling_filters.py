@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from llmdeploy.kernels import cpu_native
+
 # top_k / top_p filter a row's best candidates (torch.topk) instead of sorting it whole: on 2 Zen 4 cores a sort of
 # [32, 49152] logits took 56 ms, a topk of 64 1.5 ms, of 8k 15 ms, of 24k 32 ms, and top_p 0.9 / top_k 50 made a
 # batch-32 decode step 2.4x greedy's time (77 against 32 ms, SmolLM2 bf16). A top_p row looks at FIRST_CANDIDATES
@@ -88,6 +90,9 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     rows = [i for i, (k, p) in enumerate(zip(ks, top_p, strict=True)) if k < vocab or p < 1.0]
     if not rows:
         return logits
+    native = cpu_native.top_k_top_p_rows(logits, ks, [min(p, 1.0) for p in top_p])
+    if native is not None:
+        return native
     out = None  # a copy of logits for results that come in parts
     for attempt in ("first", "bound", "sort"):
         if not rows:

@@ -251,6 +251,32 @@ def sample_rows(
     return tokens if rc == 0 and min(tokens, default=0) >= 0 else None
 
 
+def top_k_top_p_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor | None:
+    """A copy of float32 [rows, n] logits with each row's top_k (in [1, n]; n: none) and top_p (in (0, 1]; 1: none)
+    applied as engine/sampling_filters.py's top_k_top_p_by_sort defines them, dropped logits -inf
+    (kernels/csrc/sample_rows.c); None where the kernel does not apply."""
+    rows = logits.shape[0] if logits.dim() == 2 else 0
+    if not _logit_rows(logits) or not len(top_k) == len(top_p) == rows:
+        return None
+    lib = native_build.library()
+    if lib is None:
+        return None
+    out = logits.contiguous().clone()
+    top_p = torch.tensor(
+        top_p, dtype=torch.float32
+    ).tolist()  # compared as the definition's float32 tensor holds it
+    rc = lib.llmd_top_k_top_p_rows(
+        out.data_ptr(),
+        rows,
+        out.shape[1],
+        out.stride(0),
+        (ctypes.c_int64 * rows)(*top_k),
+        (ctypes.c_double * rows)(*top_p),
+        native_build.threads(),
+    )
+    return out if rc == 0 else None
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate | up] along the last dim -> silu(gate) * up; None if not applicable."""
     inter = x.shape[-1] // 2

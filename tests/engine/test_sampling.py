@@ -7,6 +7,7 @@ from llmdeploy.engine import LLM, SamplingParams
 from llmdeploy.engine.errors import ParamError
 from llmdeploy.engine.sampler import Sampler
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.kernels import native_build
 from tests.engine.test_engine_parity import hf_greedy, prompts
 
 EOS = 2
@@ -138,12 +139,9 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(tokens) == {0, 1}
 
 
-def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
-    """The candidates-first filter keeps exactly what sorting each whole row keeps: peaked and wider nuclei taken
-    from candidates, rows that need too many sorted whole (flat ones), top_k (also past the vocabulary) with and
-    without top_p, masked tokens, and rows with neither in the same batch."""
-    from llmdeploy.engine import sampling_filters as filters
-
+def filter_rows() -> tuple[torch.Tensor, list[int], list[float]]:
+    """Logit rows from peaked to flat (a grammar's mask in one), as _sample hands them over, with top_k (also past
+    the vocabulary) with and without top_p, and rows with neither."""
     g = torch.Generator().manual_seed(0)
     vocab = 5000
     scales = [
@@ -163,6 +161,23 @@ def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
     logits -= logits.amax(-1, keepdim=True)  # as _sample hands them over: the best logit at 0
     top_k = [0, 0, 0, -1, 0, 40, 700, 2**70, 0, 10]
     top_p = [0.9, 0.5, 0.95, 0.8, 0.9, 1.0, 0.6, 0.7, 1.0, 0.5]
+    return logits, top_k, top_p
+
+
+def assert_same_kept(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[~got.isinf()], want[~want.isinf()])
+
+
+def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
+    """The candidates-first filter (torch ops: where the native kernel does not run) keeps exactly what sorting
+    each whole row keeps: peaked and wider nuclei taken from candidates, rows that need too many sorted whole (flat
+    ones), top_k with and without top_p, masked tokens, and rows with neither in the same batch."""
+    from llmdeploy.engine import sampling_filters as filters
+    from llmdeploy.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "top_k_top_p_rows", lambda *a: None)
+    logits, top_k, top_p = filter_rows()
+    vocab = logits.shape[1]
     sorted_rows = []
     by_sort = filters.top_k_top_p_by_sort
 
@@ -173,7 +188,7 @@ def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
     monkeypatch.setattr(filters, "top_k_top_p_by_sort", spy)
     got = filters.top_k_top_p(logits, top_k, top_p)
     want = by_sort(logits, top_k, top_p)
-    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[~got.isinf()], want[~want.isinf()])
+    assert_same_kept(got, want)
     kept = (~got.isinf()).sum(-1).tolist()
     assert kept[8] == vocab and kept[5] == 40  # neither: untouched; top_k alone
     assert 1 < kept[9] < 10  # top_p over the top_k's own mass: half of a flat top 10
@@ -184,6 +199,37 @@ def test_top_k_top_p_from_candidates_equals_the_sort_definition(monkeypatch):
     assert sorted_rows == [1]
     bound = filters.nucleus_bound(logits, torch.tensor(top_p)).tolist()
     assert all(kept[i] <= bound[i] <= 1.25 * kept[i] for i in (0, 1, 2, 3, 7))  # tight: a power-of-two step
+
+
+@pytest.mark.skipif(not native_build.available(), reason="needs the native kernels (gcc)")
+def test_native_top_k_top_p_equals_the_sort_definition():
+    """kernels/csrc/sample_rows.c's filter keeps what the definition keeps, on the same rows as the candidates path
+    and on a row with top_p's edge a float32 step past where a float64 top_p would put it; ties at top_k's and top_p's
+    edges keep the lower token ids (the definition's sort leaves their order open: same counts); -inf and NaN
+    logits are dropped; the input is left as it was."""
+    from llmdeploy.engine import sampling_filters as filters
+    from llmdeploy.kernels import cpu_native
+
+    logits, top_k, top_p = filter_rows()
+    vocab = logits.shape[1]
+    before = logits.clone()
+    got = filters.top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(logits, before)
+    assert_same_kept(got, filters.top_k_top_p_by_sort(logits, top_k, top_p))
+    assert cpu_native.top_k_top_p_rows(logits, [vocab] * 10, [0.9] * 10) is not None  # the kernel ran
+    # four tokens of 1/4 each: top_p 0.5 keeps three (the third's better tokens hold 0.5, not more); 0.7499999999
+    # keeps all four, as float32's 0.75 (a float64 top_p would drop the fourth)
+    flat = torch.zeros(3, 4)
+    got = filters.top_k_top_p(flat, [0, 0, 3], [0.5, 0.7499999999, 1.0])
+    assert (~got.isinf()).sum(-1).tolist() == [3, 4, 3]
+    assert_same_kept(got, filters.top_k_top_p_by_sort(flat, [0, 0, 3], [0.5, 0.7499999999, 1.0]))
+    ties = torch.tensor([[0.0, -1.0, -1.0, -1.0, -1.0, -5.0, float("-inf"), float("nan")]])
+    for k, p in [(3, 1.0), (8, 0.5), (8, 0.9999), (2, 0.99)]:
+        want = (
+            (~filters.top_k_top_p_by_sort(ties.nan_to_num(nan=float("-inf")), [k], [p]).isinf()).sum().item()
+        )
+        got = (~filters.top_k_top_p(ties, [k], [p]).isinf())[0]
+        assert got.sum().item() == want and got.nonzero().flatten().tolist() == list(range(want))
 
 
 @pytest.mark.parametrize(
