@@ -8,6 +8,7 @@ forward, so an abort frees the request's blocks at once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
@@ -243,7 +244,12 @@ class LLMEngine:
             return None, []
         u, states = self.sampler.burst_uniforms(seqs, steps)
         inv_temp = [0.0 if s.params.greedy else 1.0 / s.params.temperature for s in seqs]
-        return BurstDraw(inv_temp, [s.params.min_p for s in seqs], u), states
+        draw = BurstDraw(inv_temp, [s.params.min_p for s in seqs], u)
+        if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
+            # a top_k past int64 is none (the kernel's 0), as past the vocabulary
+            top_k = [s.params.top_k if 0 < s.params.top_k < 2**62 else 0 for s in seqs]
+            draw = dataclasses.replace(draw, top_k=top_k, top_p=[s.params.top_p for s in seqs])
+        return draw, states
 
     def _burst_done(
         self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float, states: list

@@ -37,10 +37,9 @@ def plain_greedy(seq: Sequence) -> bool:
 
 
 def plain_sampled(seq: Sequence) -> bool:
-    """Whether this sequence's next token is drawn from its logits as they come at its temperature, with min_p at
-    most (no top_k or top_p): the native draw takes such a row whole, so a decode burst may sample it."""
-    p = seq.params
-    return not p.greedy and p.top_k <= 0 and p.top_p >= 1.0 and logits_as_they_come(seq)
+    """Whether this sequence's next token is drawn from its logits as they come at its temperature, with top_k,
+    top_p and min_p at most: the native filter and draw take such a row whole, so a decode burst may sample it."""
+    return not seq.params.greedy and logits_as_they_come(seq)
 
 
 def penalty_index(rows: list[tuple[int, list[int]]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -140,10 +139,13 @@ class Sampler:
         top_p = [s.params.top_p for s in seqs]
         min_p = [s.params.min_p for s in seqs]
         filtered = any(top_k) or any(p < 1.0 for p in top_p)
-        if not filtered:  # the temperature, min_p and the draw in one native pass over each row
-            tokens = cpu_native.sample_rows(logits, [1.0 / s.params.temperature for s in seqs], min_p, u)
-            if tokens is not None:
-                return tokens
+        # the temperature, top_k / top_p, min_p and the draw in native passes over each row, as a sampled decode
+        # burst runs them (the same tokens)
+        inv_temp = [1.0 / s.params.temperature for s in seqs]
+        kept = cpu_native.top_k_top_p_rows(logits, top_k, top_p, inv_temp) if filtered else logits
+        tokens = cpu_native.sample_rows(kept, inv_temp, min_p, u) if kept is not None else None
+        if tokens is not None:
+            return tokens
         # penalties can make logits +inf, and a low temperature over large logits overflows: either would turn
         # softmax into NaN. So: +inf -> the largest float, then the row's best logit moved to 0 before dividing
         # (softmax is unchanged by the shift), which keeps the favoured token ahead of a runner-up that overflows

@@ -90,7 +90,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     rows = [i for i, (k, p) in enumerate(zip(ks, top_p, strict=True)) if k < vocab or p < 1.0]
     if not rows:
         return logits
-    native = cpu_native.top_k_top_p_rows(logits, ks, [min(p, 1.0) for p in top_p])
+    native = cpu_native.top_k_top_p_rows(logits, ks, top_p)
     if native is not None:
         return native
     out = None  # a copy of logits for results that come in parts

@@ -251,27 +251,34 @@ def sample_rows(
     return tokens if rc == 0 and min(tokens, default=0) >= 0 else None
 
 
-def top_k_top_p_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor | None:
-    """A copy of float32 [rows, n] logits with each row's top_k (in [1, n]; n: none) and top_p (in (0, 1]; 1: none)
-    applied as engine/sampling_filters.py's top_k_top_p_by_sort defines them, dropped logits -inf
-    (kernels/csrc/sample_rows.c); None where the kernel does not apply."""
+def float32_top_p(top_p: list[float]) -> list[float]:
+    """top_p as the sort definition compares it (a float32 tensor; engine/sampling_filters.py), capped at 1."""
+    return torch.tensor([min(p, 1.0) for p in top_p], dtype=torch.float32).tolist()
+
+
+def top_k_top_p_rows(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], inv_temp: list[float] | None = None
+) -> torch.Tensor | None:
+    """A copy of float32 [rows, n] logits with each row's top_k (<= 0 or >= n: none) and top_p (1: none) applied
+    as engine/sampling_filters.py's top_k_top_p_by_sort defines them over softmax(logits * inv_temp) (default 1;
+    0: a greedy row, untouched), dropped logits -inf (kernels/csrc/sample_rows.c); None where the kernel does not
+    apply."""
     rows = logits.shape[0] if logits.dim() == 2 else 0
-    if not _logit_rows(logits) or not len(top_k) == len(top_p) == rows:
+    inv_temp = [1.0] * rows if inv_temp is None else inv_temp
+    if not _logit_rows(logits) or not len(top_k) == len(top_p) == len(inv_temp) == rows:
         return None
     lib = native_build.library()
     if lib is None:
         return None
     out = logits.contiguous().clone()
-    top_p = torch.tensor(
-        top_p, dtype=torch.float32
-    ).tolist()  # compared as the definition's float32 tensor holds it
     rc = lib.llmd_top_k_top_p_rows(
         out.data_ptr(),
         rows,
         out.shape[1],
         out.stride(0),
-        (ctypes.c_int64 * rows)(*top_k),
-        (ctypes.c_double * rows)(*top_p),
+        (ctypes.c_int64 * rows)(*[k if 0 < k < out.shape[1] else 0 for k in top_k]),
+        (ctypes.c_double * rows)(*float32_top_p(top_p)),
+        (ctypes.c_float * rows)(*inv_temp),
         native_build.threads(),
     )
     return out if rc == 0 else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmdeploy.kernels import native_build, native_quant
+from llmdeploy.kernels import cpu_native, native_build, native_quant
 
 ENV_SWITCH = "LLMDEPLOY_NATIVE_DECODE"  # =0: the Python layers at every step (the benchmarks' baseline)
 
@@ -64,18 +64,24 @@ class Dims:
 @dataclass(frozen=True)
 class BurstDraw:
     """A sampled burst's draw (llmd_draw): per row 1 / temperature (0: the row stays greedy) and min_p, and the
-    uniform numbers of every step, step-major (u[j * rows + n])."""
+    uniform numbers of every step, step-major (u[j * rows + n]); per row top_k (0: none) and top_p (1: none), or
+    None where no row has either."""
 
     inv_temp: list[float]
     min_p: list[float]
     u: list[float]
+    top_k: list[int] | None = None
+    top_p: list[float] | None = None
 
     def struct(self) -> _Draw:
         m = len(self.inv_temp)
+        filtered = self.top_k is not None and self.top_p is not None
         return _Draw(
             (ctypes.c_float * m)(*self.inv_temp),
             (ctypes.c_float * m)(*self.min_p),
             (ctypes.c_double * len(self.u))(*self.u),
+            (ctypes.c_int64 * m)(*self.top_k) if filtered else None,
+            (ctypes.c_double * m)(*cpu_native.float32_top_p(self.top_p)) if filtered else None,
         )
 
 
@@ -84,6 +90,8 @@ class _Draw(ctypes.Structure):
         ("inv_temp", ctypes.POINTER(ctypes.c_float)),
         ("min_p", ctypes.POINTER(ctypes.c_float)),
         ("u", ctypes.POINTER(ctypes.c_double)),
+        ("top_k", ctypes.POINTER(ctypes.c_int64)),
+        ("top_p", ctypes.POINTER(ctypes.c_double)),
     ]
 
 

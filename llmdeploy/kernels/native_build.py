@@ -178,7 +178,8 @@ SIGNATURES = {
     "llmd_argmax_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_int],
     # x, rows, n, stride, inv_temp, min_p, u, out, nthreads
     "llmd_sample_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_ptr, c_int],
-    "llmd_top_k_top_p_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_int],
+    # x, rows, n, stride, top_k, top_p, inv_temp (may be NULL), nthreads
+    "llmd_top_k_top_p_rows": [c_ptr, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_ptr, c_int],
     "llmd_rope_store_bf16": ROPE_ARGS,
 }
 

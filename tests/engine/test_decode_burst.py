@@ -107,8 +107,6 @@ def test_one_output_a_request_a_burst_and_only_for_plain_rows(folder, bursts):
     assert deltas == ([1, 4, 4] if native_for("float32") else [1] * 9)
     bursts.clear()
     for params in (
-        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, seed=1),
-        SamplingParams(temperature=0.8, top_k=5, max_tokens=6),
         SamplingParams(temperature=0, max_tokens=6, logprobs=2),
         SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=6, min_tokens=6),
@@ -119,9 +117,9 @@ def test_one_output_a_request_a_burst_and_only_for_plain_rows(folder, bursts):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_sampled_burst_draws_what_ordinary_steps_draw(folder, bursts, dtype):
-    """Seeded sampled rows (temperature, min_p) burst: the same tokens as one step at a time, also beside a greedy
-    row and after a row that stops inside a burst (each seeded generator ends where ordinary steps leave it: a
-    request that goes on after a burst its neighbour cut short draws as it would have)."""
+    """Seeded sampled rows (temperature, min_p, top_k, top_p) burst: the same tokens as one step at a time, also
+    beside a greedy row and after a row that stops inside a burst (each seeded generator ends where ordinary steps
+    leave it: a request that goes on after a burst its neighbour cut short draws as it would have)."""
     cases = [
         SamplingParams(temperature=0.9, max_tokens=13, seed=3, ignore_eos=True),
         SamplingParams(temperature=1.4, min_p=0.05, max_tokens=13, seed=4, ignore_eos=True),
@@ -132,6 +130,18 @@ def test_a_sampled_burst_draws_what_ordinary_steps_draw(folder, bursts, dtype):
     assert len(set(ref[0])) > 3 and not bursts
     got = [o.outputs[0].token_ids for o in engine(folder, dtype, 4).generate(PROMPTS, cases)]
     assert got == ref
+    assert bool(bursts) == native_for(dtype)
+    # top_p and top_k (with min_p) at the rows' temperatures, beside a plain sampled row: the burst filters and
+    # draws as ordinary steps do (a burst without the filter draws other tokens here: checked by hand)
+    filtered = [
+        SamplingParams(temperature=1.7, top_p=0.6, max_tokens=13, seed=5, ignore_eos=True),
+        SamplingParams(temperature=2.5, top_k=3, min_p=0.1, max_tokens=13, seed=6, ignore_eos=True),
+        cases[0],
+    ]
+    bursts.clear()
+    ref_f = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, filtered)]
+    assert not bursts
+    assert [o.outputs[0].token_ids for o in engine(folder, dtype, 4).generate(PROMPTS, filtered)] == ref_f
     assert bool(bursts) == native_for(dtype)
     # a stop met by the first row inside a burst: the others go on with their own draws
     stop_at = ref[0][3]

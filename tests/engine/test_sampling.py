@@ -217,6 +217,11 @@ def test_native_top_k_top_p_equals_the_sort_definition():
     assert torch.equal(logits, before)
     assert_same_kept(got, filters.top_k_top_p_by_sort(logits, top_k, top_p))
     assert cpu_native.top_k_top_p_rows(logits, [vocab] * 10, [0.9] * 10) is not None  # the kernel ran
+    # at a temperature (a sampled burst's way: the raw logits and 1 / T), and a greedy row (1 / T = 0) untouched
+    inv_temp = [1 / 1.7] * 9 + [0.0]
+    at_t = cpu_native.top_k_top_p_rows(logits, top_k, top_p, inv_temp)
+    want = filters.top_k_top_p_by_sort(logits[:9] / 1.7, top_k[:9], top_p[:9])
+    assert torch.equal(at_t[:9].isinf(), want.isinf()) and torch.equal(at_t[9], logits[9])
     # four tokens of 1/4 each: top_p 0.5 keeps three (the third's better tokens hold 0.5, not more); 0.7499999999
     # keeps all four, as float32's 0.75 (a float64 top_p would drop the fourth)
     flat = torch.zeros(3, 4)

@@ -62,13 +62,18 @@ int llmd_has_avx512_bf16(void);
 int llmd_argmax_rows(const float *, int64_t, int64_t, int64_t, int64_t *, int); /* argmax.c */
 int llmd_sample_rows(const float *, int64_t, int64_t, int64_t, const float *, const float *, const double *,
                      int64_t *, int); /* sample_rows.c */
+int llmd_top_k_top_p_rows(float *, int64_t, int64_t, int64_t, const int64_t *, const double *, const float *,
+                          int); /* sample_rows.c */
 int llmd_has_bf16_linear(void);
 
 /* A sampled burst's draw: each row's 1 / temperature (0: that row greedy) and min_p, and the uniform numbers of
- * every step, step-major (u[j * M + n]: step j, row n). */
+ * every step, step-major (u[j * M + n]: step j, row n); top_k and top_p (NULL: no row has either) as
+ * llmd_top_k_top_p_rows takes them, applied before the draw as the sampler's ordinary step does. */
 typedef struct {
     const float *inv_temp, *min_p;
     const double *u;
+    const int64_t *top_k;
+    const double *top_p;
 } llmd_draw;
 
 /* the kernel q_linear in kernels/native_quant.py picks for this kind and row count */
@@ -334,6 +339,9 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                                                       nthreads) == 0;
         if (!rc && !by_screen) {
             rc = head_logits(head, act_bf16, hidden, logits, head16, M, q_bf16_min_rows, nthreads);
+            if (!rc && draw && draw->top_k)
+                rc = llmd_top_k_top_p_rows(logits, M, head->n, head->n, draw->top_k, draw->top_p, draw->inv_temp,
+                                           nthreads);
             if (!rc && draw)
                 rc = llmd_sample_rows(logits, M, head->n, head->n, draw->inv_temp, draw->min_p, draw->u + j * M, best,
                                       nthreads);

@@ -197,8 +197,8 @@ static void select_best(ranked *c, int64_t n, int64_t k) {
 /* a token's bucket by its logit's distance below the row's best, in steps of ln 2 (its weight in [2^-b-1, 2^-b] up
  * to the exponential's rounding): monotonic in the logit, so every token of a lower bucket ranks ahead of every
  * token of a higher one; MASS_BUCKETS - 1 for the rest (and -inf) */
-static inline int mass_bucket(float v, float m) {
-    const float steps = (m - v) * 1.44269504f;
+static inline int mass_bucket(float v, float m, float inv_t) {
+    const float steps = (m - v) * inv_t * 1.44269504f;
     return steps < (float)(MASS_BUCKETS - 1) ? (int)steps : MASS_BUCKETS - 1;
 }
 
@@ -213,31 +213,33 @@ static int64_t nucleus_end(const ranked *c, int64_t nc, const float *w, double b
 }
 
 /* c[0, nc) = the tokens of buckets [0, last], the others' logits -inf */
-static int64_t gather(float *x, int64_t n, float m, int last, ranked *c) {
+static int64_t gather(float *x, int64_t n, float m, float inv_t, int last, ranked *c) {
     int64_t nc = 0;
     for (int64_t i = 0; i < n; i++) {
         const float v = sanitized(x[i]);
-        if (mass_bucket(v, m) <= last) c[nc++] = (ranked){v, (int32_t)i};
+        if (mass_bucket(v, m, inv_t) <= last) c[nc++] = (ranked){v, (int32_t)i};
         else x[i] = -INFINITY;
     }
     return nc;
 }
 
-static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float *w, ranked *c) {
+/* one row at temperature 1 / inv_t (the weights the draw then reads): top_k <= 0 or >= n is none, top_p >= 1 none */
+static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float inv_t, float *w, ranked *c) {
+    if (top_k <= 0) top_k = n;
     if (top_k >= n && top_p >= 1.0) return;
     const float m = row_max(x, n);
-    weights(x, n, m, 1.0f, 0.0f, w);
+    weights(x, n, m, inv_t, 0.0f, w);
     double mass[MASS_BUCKETS] = {0.0}, total = 0.0, before = 0.0;
     int64_t count[MASS_BUCKETS] = {0};
     for (int64_t i = 0; i < n; i++) {
-        const int b = mass_bucket(sanitized(x[i]), m);
+        const int b = mass_bucket(sanitized(x[i]), m, inv_t);
         mass[b] += w[i];
         count[b]++;
     }
     if (top_k < n) { /* the k best, from the buckets that hold them, in rank order; the mass is theirs */
         int last = 0;
         for (int64_t seen = count[0]; seen < top_k; seen += count[++last]) {}
-        const int64_t nc = gather(x, n, m, last, c);
+        const int64_t nc = gather(x, n, m, inv_t, last, c);
         select_best(c, nc, top_k);
         qsort(c, (size_t)top_k, sizeof(ranked), by_rank);
         for (int64_t j = 0; j < top_k; j++) total += w[c[j].i];
@@ -251,7 +253,7 @@ static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float *
     int64_t nc = 0;
     for (int64_t i = 0; i < n; i++) {
         const float v = sanitized(x[i]);
-        const int b = mass_bucket(v, m);
+        const int b = mass_bucket(v, m, inv_t);
         if (b == edge) c[nc++] = (ranked){v, (int32_t)i};
         else if (b > edge) x[i] = -INFINITY; /* the mass ahead of it passed top_p */
     }
@@ -259,13 +261,14 @@ static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float *
     for (int64_t j = nucleus_end(c, nc, w, before, top_p, total); j < nc; j++) x[c[j].i] = -INFINITY;
 }
 
-/* top_k[r] in [1, n] (n: none), top_p[r] in (0, 1] (1: none) for row r of x (n floats at x + r * stride, no NaN
- * expected: a NaN counts as -inf). Returns 0; -1 for bad arguments, -3 without memory. */
+/* top_k[r] (<= 0 or >= n: none) and top_p[r] (in (0, 1]; 1: none) for row r of x (n floats at x + r * stride; a NaN
+ * counts as -inf) at 1 / inv_temp[r] (inv_temp NULL: 1; <= 0: a greedy row, left as it is). Returns 0; -1 for bad
+ * arguments, -3 without memory. */
 int llmd_top_k_top_p_rows(float *x, int64_t rows, int64_t n, int64_t stride, const int64_t *top_k,
-                          const double *top_p, int nthreads) {
+                          const double *top_p, const float *inv_temp, int nthreads) {
     if (n < 1 || n > INT32_MAX || rows < 0 || nthreads < 1) return -1;
     for (int64_t r = 0; r < rows; r++)
-        if (top_k[r] < 1 || !(top_p[r] > 0.0)) return -1;
+        if (!(top_p[r] > 0.0)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(rows >= 2 ? nthreads : 1)
     {
@@ -276,8 +279,10 @@ int llmd_top_k_top_p_rows(float *x, int64_t rows, int64_t n, int64_t stride, con
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < rows; r++)
-            if (w && c) filter_row(x + r * stride, n, top_k[r], top_p[r], w, c);
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv_t = inv_temp ? inv_temp[r] : 1.0f;
+            if (w && c && inv_t > 0.0f) filter_row(x + r * stride, n, top_k[r], top_p[r], inv_t, w, c);
+        }
         free(w), free(c);
     }
     return failed ? -3 : 0;
