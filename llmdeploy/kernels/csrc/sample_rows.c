@@ -155,13 +155,15 @@ int llmd_sample_rows(const float *x, int64_t rows, int64_t n, int64_t stride, co
 /* top_k and top_p in place (engine/sampling_filters.py's definition, top_k_top_p_by_sort): of each row's tokens in
  * descending order (ties: the lower index first) the first top_k stay, and of those every one whose better tokens
  * hold at most top_p of their mass; every other logit becomes -inf. The mass is the kept tokens' float32 weights
- * exp(x - max) summed in float64, as the candidates path measures a row's (sampling_filters.from_candidates).
+ * exp((x - max) / T), the draw's own, summed in float64, as the candidates path measures a row's
+ * (sampling_filters.from_candidates).
  *
  * Why: torch's topk over [32, 49152] logits, a second topk as wide as a wide nucleus needs (up to thousands) and
  * the row's exponentials in torch made top_p 0.9 add ~19 ms to a batch-32 float32 decode step of SmolLM2 (83 against
- * 64 ms on Zen 3; 52 against 33 bf16 on Zen 4). Here: one weight pass, a histogram of the weights in powers of two
- * (every token above the bucket where the mass passes top_p stays, every one below it goes), and a sort of that
- * bucket's tokens only; top_k selects its k best in linear time and sorts those. */
+ * 64 ms on Zen 3; 52 against 33 bf16 on Zen 4). Here: one weight pass, a histogram of the mass by the logit's
+ * distance from the best in steps of ln 2 (every token ahead of the bucket where the mass passes top_p stays, every
+ * one behind it goes), and a sort of that bucket's tokens only; top_k selects its k best in linear time from the
+ * buckets that hold them and sorts those. */
 typedef struct {
     float v;
     int32_t i;
@@ -194,9 +196,9 @@ static void select_best(ranked *c, int64_t n, int64_t k) {
     }
 }
 
-/* a token's bucket by its logit's distance below the row's best, in steps of ln 2 (its weight in [2^-b-1, 2^-b] up
- * to the exponential's rounding): monotonic in the logit, so every token of a lower bucket ranks ahead of every
- * token of a higher one; MASS_BUCKETS - 1 for the rest (and -inf) */
+/* a token's bucket b by its logit's distance below the row's best at the temperature, in steps of ln 2 (its weight
+ * in [2^-(b+1), 2^-b] up to the exponential's rounding): monotonic in the logit, so every token of a lower bucket
+ * ranks ahead of every token of a higher one; MASS_BUCKETS - 1 for the rest (and -inf) */
 static inline int mass_bucket(float v, float m, float inv_t) {
     const float steps = (m - v) * inv_t * 1.44269504f;
     return steps < (float)(MASS_BUCKETS - 1) ? (int)steps : MASS_BUCKETS - 1;
