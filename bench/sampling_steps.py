@@ -43,14 +43,25 @@ CASES = {
 @contextlib.contextmanager
 def baseline():
     """The sampler as it was: torch ops for the draw, a whole-row sort for top_k/top_p, greedy-only bursts."""
-    saved = (sampler_mod.top_k_top_p, cpu_native.sample_rows, llm_engine.plain_sampled)
+    saved = (
+        sampler_mod.top_k_top_p,
+        cpu_native.sample_rows,
+        cpu_native.top_k_top_p_rows,
+        llm_engine.plain_sampled,
+    )
     sampler_mod.top_k_top_p = sampling_filters.top_k_top_p_by_sort
     cpu_native.sample_rows = lambda *a: None
+    cpu_native.top_k_top_p_rows = lambda *a: None  # else the sampler filters natively before its torch ops
     llm_engine.plain_sampled = lambda seq: False
     try:
         yield
     finally:
-        sampler_mod.top_k_top_p, cpu_native.sample_rows, llm_engine.plain_sampled = saved
+        (
+            sampler_mod.top_k_top_p,
+            cpu_native.sample_rows,
+            cpu_native.top_k_top_p_rows,
+            llm_engine.plain_sampled,
+        ) = saved
 
 
 def step_ms(

@@ -66,10 +66,14 @@ def test_the_sampling_bench_baseline_is_the_old_sampler_and_is_undone(folder, mo
     monkeypatch.setattr(DecodeLayers, "greedy", lambda *a: bursts.append(1) or greedy(*a))
     with bench.baseline():
         assert bench.cpu_native.sample_rows(torch.zeros(1, 4), [1.0], [0.0], [0.5]) is None
+        assert bench.cpu_native.top_k_top_p_rows(torch.zeros(1, 4), [2], [1.0]) is None
         assert bench.step_ms(llm, 2, params, steps=3, salt=1, prompt_len=12) > 0
         plain = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True)
         assert bench.step_ms(llm, 2, plain, steps=3, salt=2, prompt_len=12) > 0
     assert sorted_rows and not bursts  # the baseline sorted every top_p row, and sampled rows never burst
     assert bench.cpu_native.sample_rows(torch.zeros(1, 4), [1.0], [0.0], [0.5]) in ([0], [1], [2], [3], None)
     assert bench.sampler_mod.top_k_top_p is sampling_filters.top_k_top_p
+    assert bench.cpu_native.top_k_top_p_rows(torch.zeros(1, 4), [2], [1.0]) is not None or not (
+        bench.cpu_native.native_build.available()
+    )
     assert bench.llm_engine.plain_sampled is bench.sampler_mod.plain_sampled
