@@ -246,9 +246,8 @@ class LLMEngine:
         inv_temp = [0.0 if s.params.greedy else 1.0 / s.params.temperature for s in seqs]
         draw = BurstDraw(inv_temp, [s.params.min_p for s in seqs], u)
         if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
-            # a top_k past int64 is none (the kernel's 0), as past the vocabulary
-            top_k = [s.params.top_k if 0 < s.params.top_k < 2**62 else 0 for s in seqs]
-            draw = dataclasses.replace(draw, top_k=top_k, top_p=[s.params.top_p for s in seqs])
+            top_k, top_p = [s.params.top_k for s in seqs], [s.params.top_p for s in seqs]
+            draw = dataclasses.replace(draw, top_k=top_k, top_p=top_p)
         return draw, states
 
     def _burst_done(

@@ -251,6 +251,11 @@ def sample_rows(
     return tokens if rc == 0 and min(tokens, default=0) >= 0 else None
 
 
+def kernel_top_k(top_k: list[int]) -> list[int]:
+    """top_k as llmd_top_k_top_p_rows takes it (int64; <= 0 or >= the vocabulary: none): past int64 is none too."""
+    return [k if 0 < k < 2**62 else 0 for k in top_k]
+
+
 def float32_top_p(top_p: list[float]) -> list[float]:
     """top_p as the sort definition compares it (a float32 tensor; engine/sampling_filters.py), capped at 1."""
     return torch.tensor([min(p, 1.0) for p in top_p], dtype=torch.float32).tolist()
@@ -276,7 +281,7 @@ def top_k_top_p_rows(
         rows,
         out.shape[1],
         out.stride(0),
-        (ctypes.c_int64 * rows)(*[k if 0 < k < out.shape[1] else 0 for k in top_k]),
+        (ctypes.c_int64 * rows)(*kernel_top_k(top_k)),
         (ctypes.c_double * rows)(*float32_top_p(top_p)),
         (ctypes.c_float * rows)(*inv_temp),
         native_build.threads(),

@@ -80,7 +80,7 @@ class BurstDraw:
             (ctypes.c_float * m)(*self.inv_temp),
             (ctypes.c_float * m)(*self.min_p),
             (ctypes.c_double * len(self.u))(*self.u),
-            (ctypes.c_int64 * m)(*self.top_k) if filtered else None,
+            (ctypes.c_int64 * m)(*cpu_native.kernel_top_k(self.top_k)) if filtered else None,
             (ctypes.c_double * m)(*cpu_native.float32_top_p(self.top_p)) if filtered else None,
         )
 

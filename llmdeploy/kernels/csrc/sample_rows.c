@@ -214,19 +214,20 @@ static int64_t nucleus_end(const ranked *c, int64_t nc, const float *w, double b
     return j;
 }
 
-/* c[0, nc) = the tokens of buckets [0, last], the others' logits -inf */
-static int64_t gather(float *x, int64_t n, float m, float inv_t, int last, ranked *c) {
+/* c[0, nc) = the tokens of buckets [first, last] (bk: each token's), the logits of those past last -inf */
+static int64_t gather(float *x, int64_t n, const uint8_t *bk, int first, int last, ranked *c) {
     int64_t nc = 0;
     for (int64_t i = 0; i < n; i++) {
-        const float v = sanitized(x[i]);
-        if (mass_bucket(v, m, inv_t) <= last) c[nc++] = (ranked){v, (int32_t)i};
-        else x[i] = -INFINITY;
+        if (bk[i] > last) x[i] = -INFINITY;
+        else if (bk[i] >= first) c[nc++] = (ranked){sanitized(x[i]), (int32_t)i};
     }
     return nc;
 }
 
-/* one row at temperature 1 / inv_t (the weights the draw then reads): top_k <= 0 or >= n is none, top_p >= 1 none */
-static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float inv_t, float *w, ranked *c) {
+/* one row at temperature 1 / inv_t (the weights the draw then reads): top_k <= 0 or >= n is none, top_p >= 1 none;
+ * w and bk: room for the row's weights and buckets */
+static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float inv_t, float *w, uint8_t *bk,
+                       ranked *c) {
     if (top_k <= 0) top_k = n;
     if (top_k >= n && top_p >= 1.0) return;
     const float m = row_max(x, n);
@@ -235,13 +236,14 @@ static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float i
     int64_t count[MASS_BUCKETS] = {0};
     for (int64_t i = 0; i < n; i++) {
         const int b = mass_bucket(sanitized(x[i]), m, inv_t);
+        bk[i] = (uint8_t)b;
         mass[b] += w[i];
         count[b]++;
     }
     if (top_k < n) { /* the k best, from the buckets that hold them, in rank order; the mass is theirs */
         int last = 0;
         for (int64_t seen = count[0]; seen < top_k; seen += count[++last]) {}
-        const int64_t nc = gather(x, n, m, inv_t, last, c);
+        const int64_t nc = gather(x, n, bk, 0, last, c);
         select_best(c, nc, top_k);
         qsort(c, (size_t)top_k, sizeof(ranked), by_rank);
         for (int64_t j = 0; j < top_k; j++) total += w[c[j].i];
@@ -252,13 +254,7 @@ static void filter_row(float *x, int64_t n, int64_t top_k, double top_p, float i
     const double limit = top_p * total;
     int edge = 0; /* the first bucket whose mass, with the better buckets', passes top_p: those ahead of it stay */
     while (edge < MASS_BUCKETS - 1 && before + mass[edge] <= limit) before += mass[edge++];
-    int64_t nc = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const float v = sanitized(x[i]);
-        const int b = mass_bucket(v, m, inv_t);
-        if (b == edge) c[nc++] = (ranked){v, (int32_t)i};
-        else if (b > edge) x[i] = -INFINITY; /* the mass ahead of it passed top_p */
-    }
+    const int64_t nc = gather(x, n, bk, edge, edge, c); /* behind the edge's bucket: the mass ahead passed top_p */
     qsort(c, (size_t)nc, sizeof(ranked), by_rank);
     for (int64_t j = nucleus_end(c, nc, w, before, top_p, total); j < nc; j++) x[c[j].i] = -INFINITY;
 }
@@ -275,17 +271,18 @@ int llmd_top_k_top_p_rows(float *x, int64_t rows, int64_t n, int64_t stride, con
 #pragma omp parallel num_threads(rows >= 2 ? nthreads : 1)
     {
         float *w = malloc(sizeof(float) * (size_t)n);
+        uint8_t *bk = malloc((size_t)n);
         ranked *c = malloc(sizeof(ranked) * (size_t)n);
-        if (!w || !c) {
+        if (!w || !bk || !c) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             const float inv_t = inv_temp ? inv_temp[r] : 1.0f;
-            if (w && c && inv_t > 0.0f) filter_row(x + r * stride, n, top_k[r], top_p[r], inv_t, w, c);
+            if (w && bk && c && inv_t > 0.0f) filter_row(x + r * stride, n, top_k[r], top_p[r], inv_t, w, bk, c);
         }
-        free(w), free(c);
+        free(w), free(bk), free(c);
     }
     return failed ? -3 : 0;
 }
