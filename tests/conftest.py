@@ -31,6 +31,26 @@ def tiny_llama(tiny_model) -> Path:
     return tiny_model("llama")
 
 
+@pytest.fixture(scope="session")
+def shared_engine(tiny_llama, tmp_path_factory):
+    """shared_engine(*extra_args) -> (ServerProcess, url): one real engine server over the tiny llama per set of
+    extra arguments (tests/engine/test_server.py's ENGINE_ARGS first), shared by the test modules that only send it
+    requests, so the session starts it once (~5 s a start) instead of once a module."""
+    from tests.engine.test_server import start_engine
+
+    started: dict[tuple[str, ...], tuple] = {}
+
+    def get(*extra: str):
+        if extra not in started:
+            log = tmp_path_factory.mktemp("shared-engine") / "engine.log"
+            started[extra] = start_engine(tiny_llama, log, *extra)
+        return started[extra]
+
+    yield get
+    for proc, _ in started.values():
+        proc.stop()
+
+
 def _triton_interpreter_without_cuda() -> None:
     """TRITON_INTERPRET is read when a kernel is decorated: set it before any test module imports one."""
     import torch

@@ -5,16 +5,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.engine.test_server import ALIAS, CHAT, MAX_MODEL_LEN, start_engine
+from tests.engine.test_server import ALIAS, CHAT, MAX_MODEL_LEN
 
 
 @pytest.fixture(scope="module")
-def sdk(tiny_llama, tmp_path_factory):
-    proc, url = start_engine(tiny_llama, tmp_path_factory.mktemp("engine-sdk") / "engine.log")
-    try:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        proc.stop()
+def sdk(shared_engine):
+    _, url = shared_engine()
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
 
 
 def test_models(sdk):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmdeploy.engine import LLM, SamplingParams
-from tests.engine.test_server import ALIAS, start_engine
+from tests.engine.test_server import ALIAS
 
 PROMPT = [5, 17, 42, 99, 3, 64, 128, 7, 250, 31] * 4  # 40 tokens: two 16-token chunks and a rest
 
@@ -54,10 +54,8 @@ def test_prompt_logprobs_are_not_cut_short_by_the_prefix_cache(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama, tmp_path_factory):
-    proc, url = start_engine(tiny_llama, tmp_path_factory.mktemp("echo") / "engine.log")
-    yield url
-    proc.stop()
+def url(shared_engine):
+    return shared_engine()[1]
 
 
 def test_echo_with_logprobs_over_http_in_openais_shape(url):

@@ -62,10 +62,8 @@ def start_engine(model: Path, log_path: Path, *extra: str) -> tuple[ServerProces
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    proc, url = start_engine(tiny_llama, tmp_path_factory.mktemp("engine") / "engine.log")
-    yield proc, url
-    proc.stop()
+def server(shared_engine):
+    return shared_engine()
 
 
 @pytest.fixture(scope="module")

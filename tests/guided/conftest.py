@@ -2,18 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_server import start_engine
 from tests.router.conftest import cloud, engine, fakes, start_router  # noqa: F401  (the router rig)
 
 
 @pytest.fixture(scope="module")
-def engine_url(tiny_llama, tmp_path_factory):
+def engine_url(shared_engine):
     """A real engine server over the tiny random llama (ChatML template, no tools in it: the generic format)."""
-    log = tmp_path_factory.mktemp("guided-engine") / "engine.log"
     # the generic tools prompt is long in the tiny 512-token vocabulary
-    proc, url = start_engine(tiny_llama, log, "--max-model-len", "1024")
-    yield url
-    proc.stop()
+    return shared_engine("--max-model-len", "1024")[1]
 
 
 @pytest.fixture(scope="module")
