@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -147,8 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid engine options: {exc}", file=sys.stderr)
         return 2
 
+    from llmdeploy.spec.sources import ModelSourceError, check_weight_files, resolve_model_source
+
+    try:  # before the engine's imports (seconds): a bad path or a corrupt download fails at once
+        source = resolve_model_source(args.model, Path(args.base_dir) if args.base_dir else None)
+        if source.kind == "hf":
+            check_weight_files(source.path)
+    except ModelSourceError as exc:
+        log.error("cannot load model %s: %s", args.model, exc)
+        return 1
+
     from llmdeploy.engine.async_engine import AsyncLLMEngine
-    from llmdeploy.spec.sources import ModelSourceError
 
     try:
         engine = AsyncLLMEngine(config)

@@ -28,7 +28,7 @@ from llmdeploy.engine.rope import rope_inv_freq
 from llmdeploy.engine.weights_cache import cache_root, ensure_converted
 from llmdeploy.kernels import resolve_backend
 from llmdeploy.spec.model_shape import ModelShape
-from llmdeploy.spec.sources import ModelSource, resolve_model_source
+from llmdeploy.spec.sources import ModelSource, resolve_model_source, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -253,17 +253,8 @@ def iter_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every checkpoint file; sharded folders are listed by model.safetensors.index.json.
     `pick(name, slice)`: the part of each tensor to read (a tensor-parallel rank's), else the whole tensor."""
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:  # e.g. Mistral repos also carry consolidated.safetensors in another naming scheme: prefer model*
-        files = sorted(p.name for p in folder.glob("model*.safetensors")) or sorted(
-            p.name for p in folder.glob("*.safetensors")
-        )
-    for file in files:
-        with safe_open(str(folder / file), framework="pt") as f:
+    for file in weight_files(folder):
+        with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name) if pick is None else pick(name, f.get_slice(name))
 
