@@ -23,6 +23,9 @@ BUILTINS: dict[str, tuple[str, str, str]] = {
 }
 
 
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors format's own bound
+
+
 class ModelSourceError(ValueError):
     """A model path that cannot be served; the message says what to do."""
 
@@ -67,7 +70,11 @@ def weight_files(folder: Path) -> list[Path]:
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
     if index.is_file():
-        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ModelSourceError(f"{index} is not a weight index (JSON with a weight_map)") from None
+        return [folder / name for name in names]
     return sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
 
 
@@ -81,21 +88,26 @@ def check_weight_files(folder: Path) -> None:
         size = path.stat().st_size
         with path.open("rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            header = f.read(n) if 2 <= n <= size - 8 else b""
-        try:
-            tensors = json.loads(header) if header else None
-        except (UnicodeDecodeError, ValueError):
-            tensors = None
-        if not isinstance(tensors, dict):
+            header = f.read(n) if 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER) else b""
+        end = tensor_bytes_end(header)
+        if end is None:
             raise ModelSourceError(
                 f"{path} is not a safetensors file (its header is not JSON): a corrupt or incomplete download?"
             )
-        data = size - 8 - n
-        ends = [t["data_offsets"][1] for t in tensors.values() if isinstance(t, dict) and "data_offsets" in t]
-        if max(ends, default=0) > data:
+        if end > size - 8 - n:
             raise ModelSourceError(
-                f"{path} is truncated: its tensors need {max(ends) + 8 + n} bytes, the file has {size}"
+                f"{path} is truncated: its tensors need {end + 8 + n} bytes, the file has {size}"
             )
+
+
+def tensor_bytes_end(header: bytes) -> int | None:
+    """Where the last tensor's bytes end (after the header) by a safetensors header; None if it is not one."""
+    try:  # JSON, and a table of tensors with their offsets
+        tensors = json.loads(header)
+        ends = [t["data_offsets"][1] for name, t in tensors.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return max(ends, default=0) if all(type(e) is int for e in ends) else None
 
 
 def builtin_path(name: str) -> Path:

@@ -17,6 +17,7 @@ import torch
 from llmdeploy.engine.models.quant import quantize_q8
 from llmdeploy.kernels import cpu_native, native_attention, native_build, native_quant
 from llmdeploy.kernels import reference as ops
+from tests.helpers.quick_build import quick_flags
 
 pytestmark = [
     pytest.mark.skipif(not native_build.available(), reason="native CPU kernels do not build here"),
@@ -449,15 +450,9 @@ def test_packed_bf16_linear_unpacks_and_matches_onednn(amx):
             torch.testing.assert_close(packed(x), lin(x), atol=2e-2, rtol=2e-2)
 
 
-def quick_flags(march: str, opt: str = "-O1") -> tuple[str, ...]:
-    """The library's flags for another target at -O1: the same code paths and results (no -ffast-math, and
-    -ffp-contract=off kept), compiled in a third of -O3's time (Zen 3: haswell 32 -> 9 s, x86-64 14 -> 6 s)."""
-    return tuple({"-march=native": f"-march={march}", "-O3": opt}.get(f, f) for f in native_build.FLAGS)
-
-
 @pytest.fixture(scope="module")
 def build_for(tmp_path_factory):
-    """The kernels built for another x86 target (-march=...), once per module (a build takes 10-25 s)."""
+    """The kernels built for another x86 target (-march=...), once per module (a build takes 5-10 s at -O1)."""
 
     @functools.cache
     def build(march: str):

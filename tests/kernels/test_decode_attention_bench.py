@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmdeploy.kernels import native_build
+from tests.helpers.quick_build import quick_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not native_build.available(), reason="native CPU kernels do not build here")
@@ -21,8 +22,7 @@ def test_baseline_build_gives_the_library_bits(tmp_path):
     from bench.decode_attention import Case, compiled, current, time_case
 
     source = native_build.SOURCES[0].parent / "decode_attention.c"
-    quick = tuple("-O1" if f == "-O3" else f for f in native_build.FLAGS)  # the same bits, compiled sooner
-    baseline = compiled(source, tmp_path, quick)
+    baseline = compiled(source, tmp_path, quick_flags())  # the same bits, compiled sooner
     for dtype in (torch.float32, torch.bfloat16):
         case = Case(dtype, batch=3, context=70, layers=2)
         best, same = time_case(case, [baseline, current()], reps=1)

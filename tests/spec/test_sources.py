@@ -35,6 +35,7 @@ def test_whole_files_pass(model):
         struct.pack("<Q", 10**9) + b"{}",  # a header past the file's end
         struct.pack("<Q", 4) + b"{oops",  # not JSON
         struct.pack("<Q", 2) + b"[]",  # JSON, not a table of tensors
+        struct.pack("<Q", 40) + b'{"w": {"data_offsets": ["0", "4"]}}    ',  # offsets that are not numbers
         b"<html>rate limited</html>",  # what a download can save instead of the file
     ],
 )
@@ -42,6 +43,14 @@ def test_a_file_that_is_not_safetensors_is_named(model, content):
     (model / "model.safetensors").write_bytes(content)
     with pytest.raises(ModelSourceError, match=r"model\.safetensors is not a safetensors file"):
         check_weight_files(model)
+
+
+def test_metadata_is_not_a_tensor(tmp_path):
+    raw = json.dumps(
+        {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    )
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw.encode() + bytes(8))
+    check_weight_files(tmp_path)
 
 
 def test_a_truncated_file_is_refused_with_the_sizes(model):
@@ -67,6 +76,9 @@ def test_shards_are_read_from_the_index_and_a_missing_one_is_named(tmp_path):
     check_weight_files(tmp_path)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelSourceError, match=r"model-00002-of-00002\.safetensors is missing"):
+        check_weight_files(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')  # cut short
+    with pytest.raises(ModelSourceError, match=r"index\.json is not a weight index"):
         check_weight_files(tmp_path)
 
 
