@@ -24,6 +24,7 @@ BUILTINS: dict[str, tuple[str, str, str]] = {
 
 
 MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors format's own bound
+GGUF_MAGIC = b"GGUF"
 
 
 class ModelSourceError(ValueError):
@@ -55,6 +56,12 @@ def resolve_model_source(path: str, base_dir: Path | None = None) -> ModelSource
             raise ModelSourceError(
                 f"model file {p} is not a .gguf file; give a Hugging Face folder or a .gguf file"
             )
+        with p.open("rb") as f:
+            if f.read(4) != GGUF_MAGIC:  # e.g. an HTML error page saved under the model's name
+                raise ModelSourceError(
+                    f"model file {p} is not a GGUF file (it does not start with GGUF's magic bytes): "
+                    "a corrupt or incomplete download?"
+                )
         return ModelSource("gguf", p, path)
     if not (p / "config.json").is_file():
         raise ModelSourceError(f"model folder {p} has no config.json (expected a Hugging Face model folder)")

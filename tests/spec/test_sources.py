@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from llmdeploy.spec.sources import ModelSourceError, check_weight_files, weight_files
+from llmdeploy.cli.main import app
+from llmdeploy.spec.sources import ModelSourceError, check_weight_files, resolve_model_source, weight_files
 from tests.spec.test_estimate import write_safetensors
 
 
@@ -107,3 +109,25 @@ def test_the_engine_refuses_a_corrupt_download_before_its_imports(model):
     assert (
         "llmdeploy.spec.sources" in imported and "torch" not in imported
     )  # refused before the heavy imports
+
+
+def test_a_gguf_path_must_hold_a_gguf_file(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"<html>not found</html>")
+    with pytest.raises(
+        ModelSourceError, match=r"not a GGUF file \(it does not start with GGUF's magic bytes\)"
+    ):
+        resolve_model_source(str(bad))
+    bad.write_bytes(
+        b"GGUF" + bytes(20)
+    )  # the magic: the rest is read by the loader, which says what is wrong
+    assert resolve_model_source(str(bad)).kind == "gguf"
+
+
+def test_validate_names_the_line_of_a_path_that_is_not_gguf(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"\x00" * 16)
+    spec = tmp_path / "llmdeploy.yaml"
+    spec.write_text("name: t\nmodel:\n  path: m.gguf\n  served_alias: x\nlisten: 127.0.0.1:18080\n")
+    r = CliRunner().invoke(app, ["validate", str(spec)])
+    assert r.exit_code == 2, r.output
+    assert f"{spec}:3:3: model.path: model file" in r.output and "is not a GGUF file" in r.output
