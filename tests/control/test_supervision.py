@@ -215,6 +215,8 @@ def test_secrets_never_reach_state_logs_status_or_engines(rig):
 
 @pytest.mark.full  # CI's time budget: scripts/test.sh -m full
 def test_foreground_runs_attached_and_drains_on_sigterm(rig, tiny_llama):
+    if not (rig["cli"].home / NAME / "state.db").exists():  # run alone (-m full): `status` below needs two
+        rig["cli"].ok("apply", str(rig["files"]["v1"]))
     spec = base_spec("fg", tiny_llama)
     path = write_spec(rig["root"] / "fg.yaml", spec)
     port = int(spec["listen"].split(":")[1])
