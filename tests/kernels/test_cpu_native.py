@@ -514,9 +514,8 @@ def test_switched_off_falls_back(monkeypatch):
 
 
 def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
-    flags = quick_flags(
-        "x86-64", "-O0"
-    )  # what is tested is the cache and the errors: the quickest build (3 s)
+    # what is tested is the cache and the errors: the quickest build (3 s)
+    flags = quick_flags("x86-64", "-O0")
     first = native_build.build(flags, tmp_path)
     assert native_build.build(flags, tmp_path) == first  # keyed: the second call compiles nothing
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
