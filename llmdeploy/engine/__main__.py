@@ -148,12 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: invalid engine options: {exc}", file=sys.stderr)
         return 2
 
-    from llmdeploy.spec.sources import ModelSourceError, check_weight_files, resolve_model_source
+    from llmdeploy.spec.sources import ModelSourceError, resolve_model_source
 
     try:  # before the engine's imports (seconds): a bad path or a corrupt download fails at once
-        source = resolve_model_source(args.model, Path(args.base_dir) if args.base_dir else None)
-        if source.kind == "hf":
-            check_weight_files(source.path)
+        resolve_model_source(args.model, Path(args.base_dir) if args.base_dir else None)
     except ModelSourceError as exc:
         log.error("cannot load model %s: %s", args.model, exc)
         return 1

@@ -67,6 +67,7 @@ def resolve_model_source(path: str, base_dir: Path | None = None) -> ModelSource
         raise ModelSourceError(f"model folder {p} has no config.json (expected a Hugging Face model folder)")
     if not any(p.glob("*.safetensors")):
         raise ModelSourceError(f"model folder {p} has no *.safetensors weights")
+    check_weight_files(p)
     return ModelSource("hf", p, path)
 
 
@@ -87,8 +88,8 @@ def weight_files(folder: Path) -> list[Path]:
 
 def check_weight_files(folder: Path) -> None:
     """Each weight file is there, its safetensors header whole JSON and every tensor's bytes inside the file: a
-    truncated or corrupt download fails here in milliseconds, naming the file, instead of after the engine's
-    imports (seconds, and again on each restart) with the parser's traceback."""
+    truncated or corrupt download fails `validate` and the engine's start in milliseconds, naming the file, instead
+    of after the engine's imports (seconds, and again on each restart) with the parser's traceback."""
     for path in weight_files(folder):
         if not path.is_file():
             raise ModelSourceError(f"{path} is missing (model.safetensors.index.json names it)")

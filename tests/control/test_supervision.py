@@ -30,6 +30,7 @@ from tests.control.conftest import (
     write_spec,
 )
 from tests.helpers.fake_cloud import FakeCloud
+from tests.helpers.safetensors_files import write_safetensors
 
 NAME = "sup"
 CLIENT_SECRET = "sk-client-secret-4f1d9a7e2c"
@@ -59,7 +60,8 @@ def rig(tmp_path_factory, tiny_llama):
     )
     broken_model = root / "broken-model"
     shutil.copytree(tiny_llama, broken_model)
-    (broken_model / "model.safetensors").write_bytes(b"\x00" * 64)  # passes validate, fails to load
+    # a whole safetensors file (validate reads its header) whose one tensor the model has no place for
+    write_safetensors(broken_model / "model.safetensors", {"junk": [1]})
     broken = {**v1, "model": {**v1["model"], "path": str(broken_model)}, "parallel": {"replicas": 1}}
     failing = {
         **v1,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,7 @@ from llmdeploy.engine.estimate import GiB, estimate
 from llmdeploy.spec.model_shape import ModelShape, read_hf_shape, read_model_shape
 from llmdeploy.spec.models import DeploymentSpec
 from llmdeploy.spec.sources import resolve_model_source
-
-
-def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
-    """A valid safetensors file of zeros (float32): 8-byte header length, JSON header, data."""
-    header, offset = {}, 0
-    for name, shape in shapes.items():
-        size = 4 * math.prod(shape)
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+from tests.helpers.safetensors_files import write_safetensors
 
 
 def fake_model(folder: Path, **config) -> Path:

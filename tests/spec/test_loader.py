@@ -11,6 +11,7 @@ import yaml
 
 from llmdeploy.spec.loader import SpecFileError, SpecIssue, load_spec_file, load_spec_text
 from llmdeploy.spec.reference import field_rows
+from tests.helpers.safetensors_files import write_safetensors
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "llmdeploy.yaml.example"
@@ -370,7 +371,7 @@ def test_merge_keys_and_anchors_work():
 def make_hf_folder(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
-    (path / "model.safetensors").write_bytes(b"")
+    write_safetensors(path / "model.safetensors", {})
     return path
 
 

@@ -1,5 +1,6 @@
-"""Weight files checked before the engine's imports: a corrupt or truncated download is refused in milliseconds with
-the file named, by `check_weight_files` and by the engine process itself (exit 1, no traceback)."""
+"""Weight files checked where a model source is resolved: a corrupt or truncated download is refused in milliseconds
+with the file named, by `validate` (at model.path's line) and by the engine process before its imports (exit 1, no
+traceback)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 
 from llmdeploy.cli.main import app
 from llmdeploy.spec.sources import ModelSourceError, check_weight_files, resolve_model_source, weight_files
-from tests.spec.test_estimate import write_safetensors
+from tests.helpers.safetensors_files import write_safetensors
 
 
 @pytest.fixture
@@ -131,3 +132,12 @@ def test_validate_names_the_line_of_a_path_that_is_not_gguf(tmp_path):
     r = CliRunner().invoke(app, ["validate", str(spec)])
     assert r.exit_code == 2, r.output
     assert f"{spec}:3:3: model.path: model file" in r.output and "is not a GGUF file" in r.output
+
+
+def test_validate_names_the_line_of_a_corrupt_weight_file(model, tmp_path):
+    (model / "model.safetensors").write_bytes(b"<html>rate limited</html>")
+    spec = tmp_path / "llmdeploy.yaml"
+    spec.write_text(f"name: t\nmodel:\n  path: {model}\n  served_alias: x\nlisten: 127.0.0.1:18080\n")
+    r = CliRunner().invoke(app, ["validate", str(spec)])
+    assert r.exit_code == 2, r.output
+    assert f"{spec}:3:3: model.path: {model}/model.safetensors is not a safetensors file" in r.output
