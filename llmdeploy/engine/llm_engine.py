@@ -8,7 +8,6 @@ forward, so an abort frees the request's blocks at once.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import threading
 import time
@@ -244,11 +243,11 @@ class LLMEngine:
             return None, []
         u, states = self.sampler.burst_uniforms(seqs, steps)
         inv_temp = [0.0 if s.params.greedy else 1.0 / s.params.temperature for s in seqs]
-        draw = BurstDraw(inv_temp, [s.params.min_p for s in seqs], u)
-        if any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
-            top_k, top_p = [s.params.top_k for s in seqs], [s.params.top_p for s in seqs]
-            draw = dataclasses.replace(draw, top_k=top_k, top_p=top_p)
-        return draw, states
+        min_p = [s.params.min_p for s in seqs]
+        if not any(s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs):
+            return BurstDraw(inv_temp, min_p, u), states
+        top_k, top_p = [s.params.top_k for s in seqs], [s.params.top_p for s in seqs]
+        return BurstDraw(inv_temp, min_p, u, top_k, top_p), states
 
     def _burst_done(
         self, batch: ScheduledBatch, tokens: list[list[int]], step_s: float, states: list

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmdeploy.spec.sources import ModelSource
+from llmdeploy.spec.sources import ModelSource, safetensors_header, weight_files
 
 
 class ModelShapeError(Exception):
@@ -54,7 +54,7 @@ def read_hf_shape(folder: Path) -> ModelShape:
     config = config.get("text_config", config)  # multimodal configs nest the language model
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder)
     return ModelShape(
         model_type=str(config.get("model_type", "?")),
         num_layers=int(config["num_hidden_layers"]),
@@ -70,13 +70,9 @@ def read_hf_shape(folder: Path) -> ModelShape:
 
 
 def _safetensors_params(path: Path) -> int:
-    """Element count from the file's JSON header (8-byte little-endian length, then JSON); no tensor data read."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 1024 * 1024:
-            raise ModelShapeError(f"{path} has an implausible safetensors header ({n} bytes)")
-        header = json.loads(f.read(n))
-    return sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    """Element count from the file's header (sources.safetensors_header); no tensor data read."""
+    tensors, _ = safetensors_header(path)
+    return sum(math.prod(t["shape"]) for t in tensors.values())
 
 
 def read_gguf_shape(path: Path) -> ModelShape:

@@ -93,29 +93,32 @@ def check_weight_files(folder: Path) -> None:
     for path in weight_files(folder):
         if not path.is_file():
             raise ModelSourceError(f"{path} is missing (model.safetensors.index.json names it)")
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = f.read(n) if 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER) else b""
-        end = tensor_bytes_end(header)
-        if end is None:
+        tensors, data_bytes = safetensors_header(path)
+        end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
+        if end > data_bytes:
+            size = path.stat().st_size
             raise ModelSourceError(
-                f"{path} is not a safetensors file (its header is not JSON): a corrupt or incomplete download?"
-            )
-        if end > size - 8 - n:
-            raise ModelSourceError(
-                f"{path} is truncated: its tensors need {end + 8 + n} bytes, the file has {size}"
+                f"{path} is truncated: its tensors need {end + size - data_bytes} bytes, the file has {size}"
             )
 
 
-def tensor_bytes_end(header: bytes) -> int | None:
-    """Where the last tensor's bytes end (after the header) by a safetensors header; None if it is not one."""
-    try:  # JSON, and a table of tensors with their offsets
-        tensors = json.loads(header)
-        ends = [t["data_offsets"][1] for name, t in tensors.items() if name != "__metadata__"]
+def safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
+    """A safetensors file's tensors (name -> dtype, shape, data_offsets; `__metadata__` left out) and the bytes
+    after its header, read without the tensor data; ModelSourceError if the file is not one."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n) if 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER) else b""
+    try:  # JSON, and a table of tensors with whole-number offsets
+        tensors = {k: t for k, t in json.loads(raw).items() if k != "__metadata__"}
+        whole = all(type(t["data_offsets"][1]) is int for t in tensors.values())
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    return max(ends, default=0) if all(type(e) is int for e in ends) else None
+        whole = False
+    if not whole:
+        raise ModelSourceError(
+            f"{path} is not a safetensors file (its header is not JSON): a corrupt or incomplete download?"
+        )
+    return tensors, size - 8 - n
 
 
 def builtin_path(name: str) -> Path:

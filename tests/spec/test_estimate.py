@@ -56,6 +56,12 @@ def test_hf_shape_comes_from_config_and_headers(tmp_path):
     assert s.kv_bytes_per_token(2) == 2 * 4 * 2 * 32 * 2
 
 
+def test_hf_shape_counts_the_files_the_engine_loads(tmp_path):
+    folder = fake_model(tmp_path / "m")
+    write_safetensors(folder / "consolidated.safetensors", {"embed": [1000, 256]})  # another scheme's copy
+    assert read_hf_shape(folder).num_params == 1000 * 256 + 256 * 256 + 256
+
+
 def test_hf_shape_honours_explicit_head_dim_and_nested_text_config(tmp_path):
     folder = fake_model(tmp_path / "m", head_dim=64)
     assert read_hf_shape(folder).head_dim == 64
