@@ -32,6 +32,7 @@ from llmdeploy.engine.parallel.shard import Shard
 from llmdeploy.engine.resources import host_memory_available
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
+from llmdeploy.engine.start_measures import StartMeasures, measures_path, read_measures, write_measures
 from llmdeploy.kernels.decode_step import BurstDraw
 from llmdeploy.kernels.huge_pages import huge_zeros
 from llmdeploy.policies.step_cost import chunk_cost
@@ -148,13 +149,7 @@ class ModelRunner:
                 self.max_model_len,
             )
         self.decode_graphs = None  # captured after the KV cache exists (warm-up runs eager)
-        self.attn_cost_context, how = self.measured_attn_cost_context()
-        log.info(
-            "attention cost: a prefill token at context %s costs two fresh ones (%s)",
-            self.attn_cost_context and round(self.attn_cost_context),
-            how,
-        )
-        self.calibration = self.warmup()
+        self.attn_cost_context, self.calibration = self.start_measures()
         self.num_blocks = self.kv_cache_blocks()
         self.kv_cache = self.allocate_kv_cache(self.num_blocks)
         self.first_touch()
@@ -182,6 +177,29 @@ class ModelRunner:
         """Stops the other tensor-parallel ranks (also done at exit); nothing to do with one rank."""
         if self.tp is not None:
             self.tp.close()
+
+    def start_measures(self) -> tuple[float | None, list[CostPoint]]:
+        """The attention cost constant and the step-cost calibration: kept from an earlier start of this engine on
+        this machine (engine/start_measures.py), else measured now and kept."""
+        kept_here = self.device.type == "cpu" and self.tp is None
+        path = measures_path(self.config, self.dtype, self.max_model_len) if kept_here else None
+        kept = read_measures(path)
+        if kept is not None:
+            context, how = kept.attn_cost_context, f"{kept.attn_how}, kept from an earlier start: {path}"
+        else:
+            context, how = self.measured_attn_cost_context()
+        log.info(
+            "attention cost: a prefill token at context %s costs two fresh ones (%s)",
+            context and round(context),
+            how,
+        )
+        self.attn_cost_context = context  # the warm-up's prefill points are weighted by it
+        if kept is not None:
+            self.warmup(timed=False)
+            return context, list(kept.calibration)
+        calibration = self.warmup()
+        write_measures(path, StartMeasures(context, how, tuple(calibration)))
+        return context, calibration
 
     def measured_attn_cost_context(self) -> tuple[float | None, str]:
         """Context length at which a prefill token's attention costs as much as the rest of its forward (the
@@ -252,10 +270,12 @@ class ModelRunner:
         return allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
-    def warmup(self) -> list[CostPoint]:
+    def warmup(self, timed: bool = True) -> list[CostPoint]:
         """Measured steps on a scratch cache: a prefill at the step budget (peak activation memory on CUDA; its
         first run pays one-time setup and is not timed), a short prefill, and decodes at batch 1 and wider. They
-        calibrate the step-cost model (engine/load_stats.py) before real steps are seen."""
+        calibrate the step-cost model (engine/load_stats.py) before real steps are seen. timed=False (a kept
+        calibration): the prefill and the decodes run once each, untimed, so their one-time setup is still paid
+        here and not by the first requests."""
         cuda = self.device.type == "cuda"
         budget = self.config.max_num_batched_tokens if cuda else min(self.config.max_num_batched_tokens, 256)
         seq_len = min(budget, self.max_model_len)
@@ -275,14 +295,20 @@ class ModelRunner:
         widest = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.run(prefill, num_logit_rows=widest)  # the first call also pays one-time setup: not timed
         short = min(16, seq_len)
-        points = [
-            self._timed(prefill, budget, 0, num_logit_rows=widest),
-            self._timed(ScheduledBatch(prefills=[(seqs[-1], short)]).finalize(), short, 0),
-        ]
+        points = []
+        if timed:
+            points += [
+                self._timed(prefill, budget, 0, num_logit_rows=widest),
+                self._timed(ScheduledBatch(prefills=[(seqs[-1], short)]).finalize(), short, 0),
+            ]
         for s in seqs:
             s.num_computed_tokens = len(s) - 1
         for batch in (1, wide):
-            points.append(self._timed(ScheduledBatch(decodes=seqs[:batch]).finalize(), 0, batch))
+            decode = ScheduledBatch(decodes=seqs[:batch]).finalize()
+            if timed:
+                points.append(self._timed(decode, 0, batch))
+            else:
+                self.run(decode)
         del scratch
         return points
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmdeploy.engine import attn_probe
+from llmdeploy.engine import attn_probe, start_measures
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.model_runner import ModelRunner
 from llmdeploy.policies.step_cost import attn_cost_context_from, chunk_cost
@@ -25,9 +25,11 @@ def test_a_late_chunk_that_is_not_slower_means_no_weighting():
     assert attn_cost_context_from(0.0, 0.01, 64, 1024) is None
 
 
-def test_the_runner_times_a_chunk_at_context_zero_and_at_a_long_context(tiny_llama, monkeypatch):
+def test_the_runner_times_a_chunk_at_context_zero_and_at_a_long_context(tiny_llama, monkeypatch, tmp_path):
     """A real runner on the tiny model: the probe's steps are real forwards of one 64-token chunk, at a long context
     (setup, untimed), then at 0 and at that context, each twice; their timings set the constant."""
+    # nothing kept from another test's start
+    monkeypatch.setattr(start_measures, "measures_dir", lambda: tmp_path)
     seen, timings = [], []
     real_run, real_rule = ModelRunner.run, attn_probe.attn_cost_context_from
 

@@ -1,0 +1,158 @@
+"""What a CPU engine measures at start, kept on disk so that a restart does not time it again.
+
+At start the runner times steps on a scratch cache: the attention probe (engine/attn_probe.py) and the step-cost
+calibration (ModelRunner.warmup). On SmolLM2-135M float32 that is ~4 s of a ~14 s start (AMD EPYC Zen 3,
+2026-12-07), and it grows with the model. Every restart after a crash, a canary's start and a scale-up paid it again
+for the same numbers. Kept here, keyed by everything that makes them differ: the CPU (model, family, stepping,
+flags), torch and its thread count, this package's code (kernels included), the model's files (path, size, mtime),
+the engine's configuration and the kernel switches in the environment. Any change is a new key, so a stale file is
+never read; a file that cannot be read or written is measured anew and the engine starts either way.
+
+Only on CPU with one rank: on CUDA the warm-up's prefill also sizes the KV cache (peak memory), so it runs anyway.
+What is kept is a prior: the step-cost model refits it from the engine's own steps (engine/load_stats.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import llmdeploy
+from llmdeploy.engine.config import EngineConfig
+from llmdeploy.engine.load_stats import CostPoint
+from llmdeploy.engine.weights_cache import cache_root
+from llmdeploy.kernels.cpu_flags import cpuinfo_lines
+from llmdeploy.spec.sources import resolve_model_source, weight_files
+
+log = logging.getLogger("llmdeploy.engine")
+FORMAT_VERSION = 1  # bump when what a file holds changes
+KEEP = 64  # files kept; older ones are removed when a new one is written
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASS")  # environment names never read into a key
+
+
+@dataclass(frozen=True)
+class StartMeasures:
+    attn_cost_context: float | None  # chunk_cost's constant (None: attention not measurably dearer)
+    attn_how: str  # how it was found ("timed at start", "estimated from FLOPs")
+    calibration: tuple[CostPoint, ...]  # the warm-up's timed steps
+
+
+def measures_dir() -> Path:
+    return cache_root() / "measures"
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """This package's Python and C sources: a change in any of them may change a step's time (~25 ms to read)."""
+    root = Path(llmdeploy.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".c", ".h") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def model_files(config: EngineConfig) -> list[list]:
+    """[path, size, mtime_ns] of each file the weights and config load from."""
+    source = resolve_model_source(config.model, Path(config.base_dir) if config.base_dir else None)
+    files = (
+        [source.path] if source.kind == "gguf" else [source.path / "config.json", *weight_files(source.path)]
+    )
+    return [[str(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in files]
+
+
+def kernel_switches() -> dict[str, str]:
+    """The LLMDEPLOY_* settings in the environment (row thresholds, kernels off), never a token or a key."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("LLMDEPLOY_")
+        and name != "LLMDEPLOY_CACHE_DIR"
+        and not any(word in name for word in SECRET_WORDS)
+    }
+
+
+def measures_key(config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> str:
+    cpu = sorted(set(cpuinfo_lines("vendor_id", "model", "cpu family", "stepping", "flags")))
+    ident = {
+        "format": FORMAT_VERSION,
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "code": code_fingerprint(),
+        "model": model_files(config),
+        "config": asdict(config),
+        "dtype": str(dtype),
+        "max_model_len": max_model_len,
+        "env": kernel_switches(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def measures_path(config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> Path | None:
+    """Where this engine's measures are kept; None where they cannot be keyed (an unreadable model file)."""
+    try:
+        return measures_dir() / f"{measures_key(config, dtype, max_model_len)}.json"
+    except (OSError, ValueError) as exc:
+        log.debug("start measures not kept: %s", exc)
+        return None
+
+
+def read_measures(path: Path | None) -> StartMeasures | None:
+    """The measures kept at `path`, None where there are none or the file is not whole."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        points = tuple(CostPoint(float(p), int(d), float(s)) for p, d, s in data["calibration"])
+        context = data["attn_cost_context"]
+        measures = StartMeasures(None if context is None else float(context), str(data["attn_how"]), points)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("start measures %s unreadable (%s): measuring again", path, exc)
+        return None
+    if not points or any(p.seconds <= 0 for p in points):
+        return None
+    return measures
+
+
+def write_measures(path: Path | None, measures: StartMeasures) -> None:
+    """Best effort: written whole (a temporary file renamed into place) or not at all."""
+    if path is None:
+        return
+    data = {
+        "attn_cost_context": measures.attn_cost_context,
+        "attn_how": measures.attn_how,
+        "calibration": [[p.prefill_tokens, p.decodes, p.seconds] for p in measures.calibration],
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+        prune(path.parent)
+    except OSError as exc:
+        log.warning("start measures not kept in %s: %s", path.parent, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def prune(folder: Path, keep: int = KEEP) -> None:
+    """The `keep` newest files stay (every test model, every changed option makes one)."""
+    dated = []
+    for f in folder.glob("*.json"):
+        with contextlib.suppress(OSError):  # another engine may have removed it since
+            dated.append((f.stat().st_mtime_ns, f))
+    for _, old in sorted(dated, reverse=True)[keep:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
