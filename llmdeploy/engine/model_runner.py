@@ -133,7 +133,11 @@ class ModelRunner:
             self.tp = start_ranks(config)
             loaded = load_rank(self.tp.config, Shard(0, self.tp.size), self.tp.device)
             loaded.dtype_reason = self.tp.dtype_reason
-        self.loaded = loaded or load_rank(config)
+        if loaded is None:
+            started = time.perf_counter()
+            loaded = load_rank(config)
+            log.info("weights loaded in %.1f s", time.perf_counter() - started)
+        self.loaded = loaded
         self.model, self.arch = self.loaded.model, self.loaded.arch
         self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}  # of the last run(): seq_id -> its chunk's
         self.device, self.dtype = self.loaded.device, self.loaded.dtype

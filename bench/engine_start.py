@@ -1,0 +1,142 @@
+"""How long an engine process takes from its start to answering /health, first start against restart.
+
+    python bench/engine_start.py [--model builtin:smollm2-135m-instruct] [--reps 3] [--json out.json]
+
+A "first start" finds no start measures kept (engine/start_measures.py) and times the attention probe and the
+step-cost calibration; a "restart" reads what the previous start kept. Both use the same converted GGUF and the
+same native kernel build: this runs with a temporary LLMDEPLOY_CACHE_DIR whose kernels/ and gguf/ are links to the
+real ones, so only the measures differ. Runs alternate (first, restart, first, ...). Phases come from the engine's
+log lines: imports (up to the loader's dtype line), load (weights, packs), measures (probe and warm-up, the first
+touch, up to the KV cache line), serve (the HTTP server up). Prints each phase's median and the CPU model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from llmdeploy.engine.weights_cache import cache_root
+from llmdeploy.kernels.cpu_flags import cpu_model
+
+MARKS = (  # phase -> the log line that ends it
+    ("imports", "llmdeploy.engine.loader: dtype"),
+    ("load", "weights loaded in"),
+    ("measures", "KV cache:"),
+    ("serve", "listening on"),
+)
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def linked_cache(folder: Path) -> Path:
+    """A cache root that shares the real one's kernel builds and GGUF conversions but not its measures."""
+    real = cache_root()
+    for part in ("kernels", "gguf"):
+        (real / part).mkdir(parents=True, exist_ok=True)
+        (folder / part).symlink_to(real / part)
+    return folder
+
+
+def start_once(model: str, env: dict[str, str]) -> dict[str, float]:
+    """Seconds from the process's start to each mark and to the first /health 200."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmdeploy.engine",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "info",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    marks: dict[str, float] = {}
+
+    def read_log() -> None:
+        for line in proc.stderr:
+            for phase, text in MARKS:
+                if text in line and phase not in marks:
+                    marks[phase] = time.perf_counter() - t0
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+    try:
+        while time.perf_counter() - t0 < TIMEOUT_S:
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {proc.returncode} before it was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    marks["ready"] = time.perf_counter() - t0
+                    return marks
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"engine not ready in {TIMEOUT_S} s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        reader.join(5)
+
+
+def phases(marks: dict[str, float]) -> dict[str, float]:
+    out, before = {}, 0.0
+    for phase, _ in MARKS:
+        out[phase] = marks[phase] - before
+        before = marks[phase]
+    out["ready"] = marks["ready"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", help="write the runs and medians here")
+    args = ap.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"first start": [], "restart": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {
+            **os.environ,
+            "LLMDEPLOY_CACHE_DIR": str(linked_cache(Path(tmp))),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        for _ in range(args.reps):
+            for f in (Path(tmp) / "measures").glob("*.json"):
+                f.unlink()
+            runs["first start"].append(phases(start_once(args.model, env)))
+            runs["restart"].append(phases(start_once(args.model, env)))
+    names = [p for p, _ in MARKS] + ["ready"]
+    medians = {kind: {p: statistics.median(r[p] for r in rs) for p in names} for kind, rs in runs.items()}
+    print(f"CPU: {cpu_model()}; model {args.model}; median of {args.reps}, seconds")
+    print(f"{'':12}" + "".join(f"{p:>10}" for p in names))
+    for kind, m in medians.items():
+        print(f"{kind:12}" + "".join(f"{m[p]:10.2f}" for p in names))
+    ratio = medians["first start"]["ready"] / medians["restart"]["ready"]
+    print(f"restart: {ratio:.2f}x faster to ready")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"cpu": cpu_model(), "runs": runs, "medians": medians}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
