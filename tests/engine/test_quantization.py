@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from llmdeploy.engine import LLM, SamplingParams
 from llmdeploy.engine.loader import load_model
+from llmdeploy.engine.models import quant
 from llmdeploy.engine.models.quant import QuantLinear, quantize_q8
 from llmdeploy.kernels.native_quant import QFormat
 from llmdeploy.spec.models import ModelSpec
@@ -34,6 +35,15 @@ def test_quantize_q8_round_trip():
     step = blocks.d.float().repeat_interleave(32, dim=1)
     assert bool(((blocks.dequantize() - w).abs() <= step / 2 + 1e-7).all())  # within half a step of its block
     assert bool((blocks.q.abs().amax(dim=1) >= 126).all())  # each block's scale uses the int8 range
+
+
+def test_quantize_q8_in_row_chunks_is_the_same(monkeypatch):
+    w = torch.randn(10, 96) * torch.linspace(0.01, 3, 10)[:, None]
+    whole = quantize_q8(w)
+    monkeypatch.setattr(quant, "QUANTIZE_ROWS", 3)
+    chunked = quantize_q8(w)
+    assert torch.equal(chunked.q, whole.q) and torch.equal(chunked.d, whole.d)
+    assert chunked.in_features == whole.in_features == 96 and chunked.m is None
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 200])

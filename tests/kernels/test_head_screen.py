@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmdeploy.engine import LLM, SamplingParams
-from llmdeploy.engine.models import head_screen
+from llmdeploy.engine.models import head_screen, quant
 from llmdeploy.engine.models.quant import quantize_q8
 from llmdeploy.kernels import cpu_native, native_build
 from tests.helpers.tiny_models import make_tiny_model
@@ -246,6 +246,23 @@ def test_the_l2_bound_covers_the_bf16_rounding_of_every_row():
     bound = x.double().norm(dim=1, keepdim=True) * a + (x.double() - xb).norm(dim=1, keepdim=True) * b
     assert (gap <= bound).all()
     assert (bound < 0.02 * x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1)).all()  # not vacuous
+
+
+def test_built_in_row_chunks_it_is_the_same_screen(monkeypatch):
+    if not packs("float32"):
+        pytest.skip("no native float32 linear here")
+    w = head("float32", 100, 64, 11)
+    whole = head_screen.build(w)
+    monkeypatch.setattr(head_screen, "QUANTIZE_ROWS", 7)
+    monkeypatch.setattr(quant, "QUANTIZE_ROWS", 7)
+    chunked = head_screen.build(w)
+    assert whole is not None and chunked is not None
+    assert torch.equal(chunked.q8, whole.q8) and torch.equal(chunked.c_x1, whole.c_x1)
+    assert chunked.max_tiles == whole.max_tiles
+    if whole.c_l2 is not None:  # the bf16 copy (AVX-512 BF16 CPUs)
+        assert torch.equal(chunked.c_l2, whole.c_l2) and torch.equal(chunked.bf16, whole.bf16)
+    else:
+        assert chunked.c_l2 is None and chunked.bf16 is None
 
 
 def test_no_screen_where_it_does_not_apply(monkeypatch):

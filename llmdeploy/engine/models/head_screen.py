@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from llmdeploy.engine.models.quant import quantize_q8
+from llmdeploy.engine.models.quant import QUANTIZE_ROWS, quantize_q8
 from llmdeploy.kernels import cpu_native, native_quant
 from llmdeploy.kernels.decode_step import HeadScreen
 from llmdeploy.kernels.native_quant import Q_BLOCK, QFormat
@@ -66,7 +66,13 @@ def build(weight: torch.Tensor) -> HeadScreen | None:
         return None
     exact = weight.detach().float()
     blocks = quantize_q8(exact)
-    c_x1 = bound_coefficients(exact, blocks.dequantize())
+    # in row chunks, as quantize_q8 (quantizing and bounding SmolLM2's head at once: 0.72 s, in chunks 0.12 s, Zen 3)
+    c_x1 = torch.cat(
+        [
+            bound_coefficients(rows, blocks.rows(torch.arange(start, start + len(rows))).dequantize())
+            for start, rows in zip(range(0, vocab, QUANTIZE_ROWS), exact.split(QUANTIZE_ROWS), strict=True)
+        ]
+    )
     if not torch.isfinite(c_x1).all():  # a weight not finite (its error is not either)
         return None
     packed = native_quant.q_pack(QFormat.Q8, blocks.q, blocks.d, None, vnni=False)
@@ -76,7 +82,8 @@ def build(weight: torch.Tensor) -> HeadScreen | None:
     bf16, c_l2 = None, None
     if weight.dtype == torch.float32 and cpu_native.avx512_bf16_available():
         rounded = bf16_rounded(exact)
-        c_l2 = l2_coefficients(exact, rounded.float())
+        pairs = zip(exact.split(QUANTIZE_ROWS), rounded.split(QUANTIZE_ROWS), strict=True)
+        c_l2 = torch.cat([l2_coefficients(rows, rows_rounded.float()) for rows, rows_rounded in pairs])
         # a weight past bf16's range rounds to infinity: no bound, no copy
         bf16, c_l2 = (cpu_native.bf16_pack(rounded), c_l2) if torch.isfinite(c_l2).all() else (None, None)
     return HeadScreen(packed.data, c_x1, max_tiles, bf16, c_l2)
