@@ -29,7 +29,7 @@ from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.loader import LoadedModel, load_model
 from llmdeploy.engine.outputs import Capacity, TokenLogprob
 from llmdeploy.engine.parallel.shard import Shard
-from llmdeploy.engine.resources import host_memory_available
+from llmdeploy.engine.resources import host_memory_available, trim_heap
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.engine.start_measures import StartMeasures, measures_path, read_measures, write_measures
@@ -160,6 +160,7 @@ class ModelRunner:
         # CUDA only (engine/cuda_graphs.py); not across ranks: a graph would hold the other ranks' sums
         self.decode_graphs = capture_decode_graphs(self) if self.tp is None else None
         release_openmp_workers()
+        trim_heap()  # the unpacked weights' and the warm-up's freed memory
         self.capacity = Capacity(
             self.num_blocks,
             self.block_size,
