@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmdeploy.engine.start_measures import kept_path, read_kept, write_kept
 from llmdeploy.kernels.cpu_flags import cpu_flags
 from llmdeploy.policies.dtype_auto import MIN_SPEEDUP, ROWS
 
@@ -75,9 +76,22 @@ def projection_seconds(hidden: int, intermediate: int, reps: int = 5) -> dict[in
 
 @functools.cache
 def choose_cpu_dtype(hidden: int, intermediate: int) -> DtypeChoice:
+    """float32, or bfloat16 where the CPU has its units and it is measured faster. The measured choice is kept
+    (engine/start_measures.py): a restart on the same machine serves the same dtype, where timing anew near the
+    threshold could flip it (and with it greedy output), and does not pay the timing again."""
     flag = bf16_flag(cpu_flags())
     if flag is None:
         return DtypeChoice(torch.float32, "auto: float32 (no AVX-512 BF16 or AMX on this CPU)")
+    path = kept_path({"dtype_auto": [hidden, intermediate]})
+    kept = read_kept(path) or {}
+    if kept.get("dtype") in ("float32", "bfloat16") and isinstance(kept.get("reason"), str):
+        return DtypeChoice(getattr(torch, kept["dtype"]), f"{kept['reason']}, kept from an earlier start")
+    choice = timed_choice(flag, hidden, intermediate)
+    write_kept(path, {"dtype": str(choice.dtype).removeprefix("torch."), "reason": choice.reason})
+    return choice
+
+
+def timed_choice(flag: str, hidden: int, intermediate: int) -> DtypeChoice:
     timed = projection_seconds(hidden, intermediate)
     f32_s = timed[ROWS[-1]][0]
     if f32_s < MIN_TIMED_S:

@@ -9,7 +9,8 @@ the engine's configuration and the kernel switches in the environment. Any chang
 never read; a file that cannot be read or written is measured anew and the engine starts either way.
 
 Only on CPU with one rank: on CUDA the warm-up's prefill also sizes the KV cache (peak memory), so it runs anyway.
-What is kept is a prior: the step-cost model refits it from the engine's own steps (engine/load_stats.py).
+What is kept is a prior: the step-cost model refits it from the engine's own steps (engine/load_stats.py). The same
+store keeps `dtype: auto`'s timed choice on CPUs with bf16 units (engine/cpu_dtype.py).
 """
 
 from __future__ import annotations
@@ -81,60 +82,53 @@ def kernel_switches() -> dict[str, str]:
     }
 
 
-def measures_key(config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> str:
-    cpu = sorted(set(cpuinfo_lines("vendor_id", "model", "cpu family", "stepping", "flags")))
-    ident = {
+def machine_ident() -> dict:
+    """What makes a timing on this machine differ: the CPU, torch and its threads, this code, the kernel switches."""
+    return {
         "format": FORMAT_VERSION,
-        "cpu": cpu,
+        "cpu": sorted(set(cpuinfo_lines("vendor_id", "model", "cpu family", "stepping", "flags"))),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "code": code_fingerprint(),
-        "model": model_files(config),
-        "config": asdict(config),
-        "dtype": str(dtype),
-        "max_model_len": max_model_len,
         "env": kernel_switches(),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def kept_path(what: dict) -> Path:
+    """The file that keeps the measures of `what` (with machine_ident's) on this machine."""
+    ident = {**machine_ident(), **what}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return measures_dir() / f"{key}.json"
 
 
 def measures_path(config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> Path | None:
     """Where this engine's measures are kept; None where they cannot be keyed (an unreadable model file)."""
     try:
-        return measures_dir() / f"{measures_key(config, dtype, max_model_len)}.json"
+        what = {"model": model_files(config), "config": asdict(config), "dtype": str(dtype)}
+        return kept_path({**what, "max_model_len": max_model_len})
     except (OSError, ValueError) as exc:
         log.debug("start measures not kept: %s", exc)
         return None
 
 
-def read_measures(path: Path | None) -> StartMeasures | None:
-    """The measures kept at `path`, None where there are none or the file is not whole."""
+def read_kept(path: Path | None) -> dict | None:
+    """The JSON object kept at `path`; None where there is none or it is not whole (then it is measured again)."""
     if path is None:
         return None
     try:
         data = json.loads(path.read_text())
-        points = tuple(CostPoint(float(p), int(d), float(s)) for p, d, s in data["calibration"])
-        context = data["attn_cost_context"]
-        measures = StartMeasures(None if context is None else float(context), str(data["attn_how"]), points)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         log.warning("start measures %s unreadable (%s): measuring again", path, exc)
         return None
-    if not points or any(p.seconds <= 0 for p in points):
-        return None
-    return measures
+    return data if isinstance(data, dict) else None
 
 
-def write_measures(path: Path | None, measures: StartMeasures) -> None:
+def write_kept(path: Path | None, data: dict) -> None:
     """Best effort: written whole (a temporary file renamed into place) or not at all."""
     if path is None:
         return
-    data = {
-        "attn_cost_context": measures.attn_cost_context,
-        "attn_how": measures.attn_how,
-        "calibration": [[p.prefill_tokens, p.decodes, p.seconds] for p in measures.calibration],
-    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +139,34 @@ def write_measures(path: Path | None, measures: StartMeasures) -> None:
         log.warning("start measures not kept in %s: %s", path.parent, exc)
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def read_measures(path: Path | None) -> StartMeasures | None:
+    """The engine's measures kept at `path`, None where there are none or they are not whole."""
+    data = read_kept(path)
+    if data is None:
+        return None
+    try:
+        points = tuple(CostPoint(float(p), int(d), float(s)) for p, d, s in data["calibration"])
+        context = data["attn_cost_context"]
+        measures = StartMeasures(None if context is None else float(context), str(data["attn_how"]), points)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("start measures %s unreadable (%s): measuring again", path, exc)
+        return None
+    if not points or any(p.seconds <= 0 for p in points):
+        return None
+    return measures
+
+
+def write_measures(path: Path | None, measures: StartMeasures) -> None:
+    write_kept(
+        path,
+        {
+            "attn_cost_context": measures.attn_cost_context,
+            "attn_how": measures.attn_how,
+            "calibration": [[p.prefill_tokens, p.decodes, p.seconds] for p in measures.calibration],
+        },
+    )
 
 
 def prune(folder: Path, keep: int = KEEP) -> None:

@@ -3,9 +3,19 @@ wherever it runs (a tiny model once measured 1.17x in bf16 on an AVX-512 BF16 CP
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from llmdeploy.engine import cpu_dtype
+from llmdeploy.engine import cpu_dtype, start_measures
+
+
+@pytest.fixture(autouse=True)
+def nothing_kept(tmp_path, monkeypatch):
+    """Each test times its own choice: none kept from an earlier run (engine/start_measures.py)."""
+    monkeypatch.setattr(start_measures, "measures_dir", lambda: tmp_path / "measures")
+    cpu_dtype.choose_cpu_dtype.cache_clear()
+    yield
+    cpu_dtype.choose_cpu_dtype.cache_clear()
 
 
 def test_a_tiny_model_gets_float32_on_any_cpu(monkeypatch):
@@ -17,6 +27,27 @@ def test_a_tiny_model_gets_float32_on_any_cpu(monkeypatch):
         cpu_dtype.choose_cpu_dtype.cache_clear()
     # "too small" on an idle machine; on a busy one the timing may pass 50 us, and then 1.5x is not reached
     assert choice.dtype == torch.float32 and ("too small" in choice.reason or "only" in choice.reason)
+
+
+def test_the_timed_choice_is_kept_for_the_next_start(monkeypatch, tmp_path):
+    """A restart serves the dtype the first start measured (a fresh timing near the threshold could flip it) and
+    does not time again; a broken file is timed again."""
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda: {"amx_bf16"})
+    timings = []
+    real = cpu_dtype.projection_seconds
+    monkeypatch.setattr(cpu_dtype, "projection_seconds", lambda *a, **k: timings.append(a) or real(*a, **k))
+    first = cpu_dtype.choose_cpu_dtype(64, 128)
+    cpu_dtype.choose_cpu_dtype.cache_clear()  # as a new process
+    again = cpu_dtype.choose_cpu_dtype(64, 128)
+    assert len(timings) == 1
+    assert again.dtype == first.dtype and again.reason == f"{first.reason}, kept from an earlier start"
+    (kept,) = (tmp_path / "measures").glob("*.json")
+    kept.write_text('{"dtype": "float64"}')
+    cpu_dtype.choose_cpu_dtype.cache_clear()
+    assert "kept" not in cpu_dtype.choose_cpu_dtype(64, 128).reason and len(timings) == 2
+    cpu_dtype.choose_cpu_dtype.cache_clear()
+    cpu_dtype.choose_cpu_dtype(64, 256)  # another shape is timed on its own
+    assert len(timings) == 3 and len(list((tmp_path / "measures").glob("*.json"))) == 2
 
 
 def test_no_bf16_units_means_float32(monkeypatch):

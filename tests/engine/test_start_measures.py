@@ -79,9 +79,9 @@ def test_a_changed_option_or_model_file_is_measured_again(tiny_model, kept_in, s
 def test_a_kernel_switch_in_the_environment_is_part_of_the_key(tiny_llama, kept_in, monkeypatch):
     cfg = config(tiny_llama)
     runner = ModelRunner(cfg)
-    before = start_measures.measures_key(cfg, runner.dtype, runner.max_model_len)
+    before = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
     monkeypatch.setenv("LLMDEPLOY_TILE_AHEAD_ROWS", "8")
-    assert start_measures.measures_key(cfg, runner.dtype, runner.max_model_len) != before
+    assert start_measures.measures_path(cfg, runner.dtype, runner.max_model_len) != before
     monkeypatch.setenv("LLMDEPLOY_ENGINE_TOKEN", "s3cret-token")  # never read: not a speed setting
     monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(kept_in.parent / "elsewhere"))
     switches = start_measures.kernel_switches()
