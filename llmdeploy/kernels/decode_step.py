@@ -182,7 +182,10 @@ class DecodeLayers:
         embed: torch.Tensor | None = None,
         head: NativeLinear | None = None,
         screen: HeadScreen | None = None,
+        embed_in_head: bool = False,
     ):
+        """embed_in_head: a tied model's embedding is its packed float32 / bf16 head's rows (layers.PackedEmbedding;
+        `embed` is then None)."""
         self.layers, self.dims, self.dtype, self.final_norm = layers, dims, dtype, final_norm
         self.structs = (_Layer * len(layers))(
             *(
@@ -200,8 +203,11 @@ class DecodeLayers:
             )
         )
         self.block_size = layers[0].k_cache.shape[1]
-        whole = embed is not None and head is not None and embed.dtype == dtype and embed.is_contiguous()
-        self.embed, self.head = (embed, head) if whole else (None, None)
+        own_table = embed is not None and embed.dtype == dtype and embed.is_contiguous()
+        head_kind = LinearKind.BF16 if dtype == torch.bfloat16 else LinearKind.F32
+        from_head = embed_in_head and head is not None and head.kind == head_kind
+        whole = head is not None and (own_table or from_head)
+        self.embed, self.head = (embed if own_table else None, head) if whole else (None, None)
         self.head_struct = _linear(head) if whole else None
         # the head's screen answers greedy steps at a few rows (llmd_decode_greedy): the steps it answered and the
         # candidate tiles they computed (the head has ceil(vocab / 32))
@@ -325,8 +331,8 @@ class DecodeLayers:
             len(self.layers),
             ctypes.addressof(self.structs),
             self.final_norm.data_ptr(),
-            self.embed.data_ptr(),
-            self.embed.shape[0],
+            None if self.embed is None else self.embed.data_ptr(),  # None: the head's rows (embed_in_head)
+            self.head.out_features if self.embed is None else self.embed.shape[0],
             input_ids.data_ptr(),
             ctypes.addressof(self.head_struct),
         )

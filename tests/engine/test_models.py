@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from llmdeploy.engine.loader import load_model
 from llmdeploy.engine.models import UnsupportedModelError
-from llmdeploy.engine.models.layers import PackedLinear, onednn_linear_available
+from llmdeploy.engine.models.layers import PackedEmbedding, PackedLinear, onednn_linear_available
 from llmdeploy.engine.rope import UnsupportedRopeError
 from llmdeploy.engine.weights_cache import cached_gguf_folder, ensure_converted, head_is_tied, is_complete
 from tests.engine.paged_driver import PagedDriver
@@ -295,6 +295,28 @@ def test_tied_embeddings(model_dir):
     for dtype in ("float32", "bfloat16"):
         lm = load_model(str(model_dir("llama-tied")), dtype=dtype)
         assert torch.equal(lm.model.lm_head.weight, lm.model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_packed_natively_is_the_embedding_too(model_dir, dtype):
+    """The tied weight is held once: the embedding reads the head's native pack, the checkpoint's rows exactly."""
+    from safetensors.torch import load_file
+
+    folder = model_dir("llama-tied")
+    lm = load_model(str(folder), dtype=dtype)
+    table = load_file(folder / "model.safetensors")["model.embed_tokens.weight"].to(getattr(torch, dtype))
+    embed = lm.model.model.embed_tokens
+    if (
+        getattr(lm.model.lm_head, "native", None) is None
+    ):  # no native pack for this dtype here: a table of its own
+        assert isinstance(embed, torch.nn.Embedding)
+        return
+    assert isinstance(embed, PackedEmbedding) and embed.packed is lm.model.lm_head.native
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [31, 32, 33]])
+    assert torch.equal(embed(ids), table[ids])
+    assert not any(p.shape == table.shape for p in lm.model.parameters())
+    with pytest.raises(IndexError):
+        embed(torch.tensor([table.shape[0]]))  # a padded channel of the last tile is not a row
 
 
 def test_bfloat16_weights_and_float32_logits(model_dir):

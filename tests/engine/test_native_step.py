@@ -19,6 +19,7 @@ CASES = {
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen3": ("qwen3", {}),  # per-head q/k norm: not taken
     "head-dim-8": ("llama", {"hidden_size": 48, "num_attention_heads": 6}),  # rotary kernel needs D % 16
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),  # the embedding read from the packed head's rows
 }
 
 
@@ -105,6 +106,9 @@ VARIANTS = [
     ("llama", "bfloat16", "none"),
     ("qwen2", "bfloat16", "none"),
     ("llama", "float32", "int8"),
+    ("llama-tied", "float32", "none"),
+    ("llama-tied", "bfloat16", "none"),
+    ("llama-tied", "float32", "int8"),
 ]
 
 

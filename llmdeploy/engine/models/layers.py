@@ -180,12 +180,41 @@ class PackedLinear(nn.Module):
             return self.dense
         if self.native is None:
             return self.packed.to_dense()
-        tile, k = cpu_native.F32_TILE, self.in_features
-        if self.dtype == torch.bfloat16:  # [tiles, K/2, tile, 2] -> [tiles, tile, K/2, 2]
-            tiles = self.native.view(-1, k // 2, tile, 2).permute(0, 2, 1, 3)
-        else:  # [tiles, K, tile] -> [tiles, tile, K]
-            tiles = self.native.view(-1, k, tile).transpose(1, 2)
-        return tiles.reshape(-1, k)[: self.out_features]
+        return native_rows(self.native, self.in_features, torch.arange(self.out_features))
+
+
+def native_rows(native: torch.Tensor, k: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [...] of a weight [N, k] from its native pack (cpu_native.f32_pack: [tiles, k, tile]; bf16_pack:
+    [tiles, k/2, tile, 2]) -> [..., k], the values as they were packed."""
+    tile, flat = cpu_native.F32_TILE, index.reshape(-1)
+    t, c = flat // tile, flat % tile
+    if native.dtype == torch.bfloat16:
+        rows = native.view(-1, k // 2, tile, 2)[t, :, c, :].reshape(-1, k)
+    else:
+        rows = native.view(-1, k, tile)[t, :, c]
+    return rows.reshape(*index.shape, k)
+
+
+class PackedEmbedding(nn.Module):
+    """A tied model's embedding read from its packed head (a PackedLinear with a native pack) instead of a table of
+    its own. Why: packing gives the head its own copy of the tied weight, so the model held it twice (SmolLM2-135M
+    float32: 113 MB of a 1.33 GB engine). A row is a strided gather (values a tile's 32 channels apart): ~0.3% of a
+    256-token prefill chunk, nothing at decode's few ids; the native decode step reads the head's rows the same way."""
+
+    def __init__(self, head: PackedLinear):
+        super().__init__()
+        assert head.native is not None, "only a native pack has the row layout read here"
+        self.packed, self.dtype = head.native, head.dtype  # a plain attribute: the head owns the tensor
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
+            raise IndexError("index out of range in self")  # as nn.Embedding says it (the tiles are padded)
+        return native_rows(self.packed, self.embedding_dim, input_ids)
+
+    @property
+    def weight(self) -> torch.Tensor:  # a dense copy, for inspection
+        return native_rows(self.packed, self.embedding_dim, torch.arange(self.num_embeddings))
 
 
 @functools.cache

@@ -14,6 +14,8 @@ from transformers import PretrainedConfig
 from llmdeploy.engine.attention import AttentionMetadata, PagedAttention
 from llmdeploy.engine.models.layers import (
     MergedLinear,
+    PackedEmbedding,
+    PackedLinear,
     RMSNorm,
     pack_linears,
     silu_and_mul,
@@ -193,6 +195,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, get_ops(backend))
         self.native_decode = NativeDecode()
 
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        """The embedding's dtype (a PackedEmbedding has no table to ask)."""
+        embed = self.embed_tokens
+        return embed.dtype if isinstance(embed, PackedEmbedding) else embed.weight.dtype
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -232,8 +240,12 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin_cache = torch.empty(0)
 
     def pack_for_cpu(self) -> None:
-        """After loading, on CPU: every projection (a tied head too, as its own copy) in oneDNN's packed layout."""
+        """After loading, on CPU: every projection in its packed layout (native or oneDNN's); a tied head's native
+        pack then serves as the embedding too (PackedEmbedding), so the weight is held once."""
         pack_linears(self)
+        head = self.lm_head
+        if self.tie_word_embeddings and isinstance(head, PackedLinear) and head.native is not None:
+            self.model.embed_tokens = PackedEmbedding(head)
 
     def quantize_int8(self) -> None:
         """After loading (model.quantization: int8): every projection, the head too, as Q8 blocks."""
@@ -317,7 +329,7 @@ class LlamaForCausalLM(nn.Module):
     def screens_head(self, rows: int) -> bool:
         """Whether decode_greedy at `rows` rows reads the LM head through its screen (built at the first native
         decode step)."""
-        return self.model.native_decode.screens_head(rows, self.model.embed_tokens.weight.dtype)
+        return self.model.native_decode.screens_head(rows, self.model.embed_dtype)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -14,6 +14,7 @@ import torch
 
 from llmdeploy.engine.attention import AttentionMetadata
 from llmdeploy.engine.models import head_screen
+from llmdeploy.engine.models.layers import PackedEmbedding
 from llmdeploy.kernels import decode_step
 from llmdeploy.kernels.decode_step import (
     BurstDraw,
@@ -108,8 +109,12 @@ class NativeDecode:
             return None
         self.max_rows = _max_rows(model, self.head)
         head = getattr(self.head, "native_linear", lambda: None)()
-        embed = model.embed_tokens.weight.detach()
-        return DecodeLayers(layers, dims, dtype, final.weight.detach(), embed, head, self._screen(head))
+        in_head = isinstance(model.embed_tokens, PackedEmbedding)  # read from the head's rows (tied)
+        embed = None if in_head else model.embed_tokens.weight.detach()
+        screen = self._screen(head)
+        return DecodeLayers(
+            layers, dims, dtype, final.weight.detach(), embed, head, screen, embed_in_head=in_head
+        )
 
     def _screen(self, head: NativeLinear | None) -> HeadScreen | None:
         """The head's Q8 screen for greedy steps at a few rows (engine/models/head_screen.py), built once per head
@@ -166,7 +171,7 @@ class NativeDecode:
         self, model: LlamaModel, head: torch.nn.Module, input_ids: torch.Tensor, meta: AttentionMetadata
     ) -> DecodeLayers | None:
         """The layers for a step from token ids (the embedding's dtype), or None where the native step declines."""
-        return self._ready(model, model.embed_tokens.weight.dtype, head, meta, input_ids.shape[0])
+        return self._ready(model, model.embed_dtype, head, meta, input_ids.shape[0])
 
     def logits(
         self,

@@ -210,19 +210,45 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
     }
 }
 
-/* the embedding of ids, every layer and the final norm: hidden [M, E] of the activations' dtype (residual scratch) */
+#define HEAD_TILE 32 /* channels a tile of the packed float32 and bf16 layouts (F32_NR, BF16_NR) */
+
+/* row `id` of a tied model's embedding, read from its packed head (llmd_f32_pack: tile, k, channel; llmd_bf16_pack:
+ * tile, input pair, channel, pair member) into out[E] */
+static void head_row(const llmd_linear *head, int64_t id, int64_t E, void *out) {
+    const int64_t t = id / HEAD_TILE, c = id % HEAD_TILE;
+    if (head->kind == LIN_F32) {
+        const float *w = (const float *)head->w + t * E * HEAD_TILE + c;
+        for (int64_t k = 0; k < E; k++) ((float *)out)[k] = w[k * HEAD_TILE];
+    } else {
+        const uint16_t *w = (const uint16_t *)head->w + (t * (E / 2) * HEAD_TILE + c) * 2;
+        for (int64_t k = 0; k < E; k++) ((uint16_t *)out)[k] = w[(k / 2) * HEAD_TILE * 2 + k % 2];
+    }
+}
+
+/* Whether the embedding can be read: its own table, or (embed NULL) the packed float32 / bf16 head of a tied model */
+static int embedding_fits(const void *embed, const llmd_linear *head, int act_bf16, int64_t vocab) {
+    if (embed) return 1;
+    return head && head->n == vocab && (act_bf16 ? head->kind == LIN_BF16 : head->kind == LIN_F32);
+}
+
+/* the embedding of ids (its table's rows, or with embed NULL the tied head's), every layer and the final norm:
+ * hidden [M, E] of the activations' dtype (residual scratch) */
 static int decode_hidden(int act_bf16, int64_t n_layers, const llmd_layer *L, const void *final_norm,
-                         const void *embed, int64_t vocab, const int64_t *ids, char *hidden, char *residual, int64_t M,
-                         int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps, const int64_t *positions,
-                         const float *cos_sin, int64_t max_pos, const int64_t *slots, const int32_t *tables,
-                         int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
-                         int64_t q_bf16_min_rows, int nthreads) {
+                         const void *embed, const llmd_linear *head, int64_t vocab, const int64_t *ids, char *hidden,
+                         char *residual, int64_t M, int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t I, float eps,
+                         const int64_t *positions, const float *cos_sin, int64_t max_pos, const int64_t *slots,
+                         const int32_t *tables, int64_t bt_stride, const int32_t *lens, int64_t block_size,
+                         float scale, int64_t q_bf16_min_rows, int nthreads) {
     for (int64_t n = 0; n < M; n++)
         if (ids[n] < 0 || ids[n] >= vocab) return -1;
     const size_t es = act_bf16 ? 2 : 4;
     memset(residual, 0, es * (size_t)(M * E));
-    for (int64_t n = 0; n < M; n++)
-        memcpy(hidden + es * (size_t)(n * E), (const char *)embed + es * (size_t)(ids[n] * E), es * (size_t)E);
+    for (int64_t n = 0; n < M; n++) {
+        if (embed)
+            memcpy(hidden + es * (size_t)(n * E), (const char *)embed + es * (size_t)(ids[n] * E), es * (size_t)E);
+        else
+            head_row(head, ids[n], E, hidden + es * (size_t)(n * E));
+    }
     return llmd_decode_layers(act_bf16, n_layers, L, final_norm, hidden, residual, M, E, H, Hkv, D, I, eps, positions,
                               cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale, q_bf16_min_rows,
                               nthreads);
@@ -239,7 +265,7 @@ static int head_logits(const llmd_linear *head, int act_bf16, const char *hidden
 }
 
 /* A decode-only step from token ids to float32 logits in one call: the embedding rows of `ids` (embed: [vocab, E]
- * of the activations' dtype), every layer and the final norm (llmd_decode_layers, over a zero residual as the
+ * of the activations' dtype; NULL: a tied model's, read from its packed float32 or bf16 head), every layer and the final norm (llmd_decode_layers, over a zero residual as the
  * Python model starts), then the LM head `head` (N = its vocabulary rows) into logits [M, N]: the head's own output
  * dtype widened to float32 as the Python path's `.float()`, so the values are the Python path's.
  *
@@ -253,14 +279,16 @@ int llmd_decode_logits(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                        const float *cos_sin, int64_t max_pos, const int64_t *slots, const int32_t *tables,
                        int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
                        int64_t q_bf16_min_rows, int nthreads) {
-    if (M < 1 || !final_norm || !embed || !head || !linear_fits(head, act_bf16, head->n, E) || head->n < 1) return -1;
+    if (M < 1 || !final_norm || !head || !linear_fits(head, act_bf16, head->n, E) || head->n < 1 ||
+        !embedding_fits(embed, head, act_bf16, vocab))
+        return -1;
     const size_t es = act_bf16 ? 2 : 4;
     char *hidden = malloc(es * (size_t)(M * E)), *residual = malloc(es * (size_t)(M * E));
     uint16_t *head16 = act_bf16 ? malloc(2 * (size_t)(M * head->n)) : NULL;
     int rc = -3;
     if (hidden && residual && (head16 || !act_bf16))
-        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, vocab, ids, hidden, residual, M, E, H, Hkv, D, I,
-                           eps, positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale,
+        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, head, vocab, ids, hidden, residual, M, E, H, Hkv,
+                           D, I, eps, positions, cos_sin, max_pos, slots, tables, bt_stride, lens, block_size, scale,
                            q_bf16_min_rows, nthreads);
     if (!rc) rc = head_logits(head, act_bf16, hidden, logits, head16, M, q_bf16_min_rows, nthreads);
     free(hidden), free(residual), free(head16);
@@ -301,7 +329,7 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
                        const int32_t *tables, int64_t bt_stride, const int32_t *lens, int64_t block_size, float scale,
                        int64_t q_bf16_min_rows, int nthreads) {
     if (M < 1 || steps < 1 || block_size < 1 || !head || head->n < 1 || head->n > vocab || !done || !final_norm ||
-        !embed || !linear_fits(head, act_bf16, head->n, E))
+        !embedding_fits(embed, head, act_bf16, vocab) || !linear_fits(head, act_bf16, head->n, E))
         return -1;
     *done = 0;
     if (screened) screened[0] = screened[1] = 0;
@@ -330,8 +358,8 @@ int llmd_decode_greedy(int act_bf16, int64_t n_layers, const llmd_layer *L, cons
             lens_j[n] = lens[n] + (int32_t)j;
             slots[n] = (int64_t)tables[n * bt_stride + pos[n] / block_size] * block_size + pos[n] % block_size;
         }
-        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, vocab, cur, hidden, residual, M, E, H, Hkv, D, I,
-                           eps, pos, cos_sin, max_pos, slots, tables, bt_stride, lens_j, block_size, scale,
+        rc = decode_hidden(act_bf16, n_layers, L, final_norm, embed, head, vocab, cur, hidden, residual, M, E, H, Hkv,
+                           D, I, eps, pos, cos_sin, max_pos, slots, tables, bt_stride, lens_j, block_size, scale,
                            q_bf16_min_rows, nthreads);
         int64_t tiles = 0;
         const int by_screen = !rc && screen_on &&
