@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import uuid
 from dataclasses import asdict, dataclass
@@ -153,7 +154,14 @@ def read_measures(path: Path | None) -> StartMeasures | None:
     except (ValueError, KeyError, TypeError) as exc:
         log.warning("start measures %s unreadable (%s): measuring again", path, exc)
         return None
-    if not points or any(p.seconds <= 0 for p in points):
+    ctx = measures.attn_cost_context
+    numbers = [x for p in points for x in (p.prefill_tokens, p.seconds)] + ([] if ctx is None else [ctx])
+    if (
+        not points
+        or not all(math.isfinite(x) and x >= 0 for x in numbers)
+        or min(p.seconds for p in points) <= 0
+    ):
+        log.warning("start measures %s hold no usable timings: measuring again", path)
         return None
     return measures
 

@@ -96,6 +96,9 @@ def test_a_kernel_switch_in_the_environment_is_part_of_the_key(tiny_llama, kept_
         "{not json",
         '{"attn_cost_context": 900.0}',
         '{"attn_cost_context": null, "attn_how": "x", "calibration": []}',
+        '{"attn_cost_context": NaN, "attn_how": "x", "calibration": [[1, 0, 0.5]]}',
+        '{"attn_cost_context": 900, "attn_how": "x", "calibration": [[1, 0, -0.5]]}',
+        '{"attn_cost_context": 900, "attn_how": "x", "calibration": [[1, 0]]}',
     ],
 )
 def test_a_broken_file_is_measured_again_and_rewritten(tiny_llama, kept_in, steps, caplog, content):
