@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -98,10 +99,11 @@ def start_once(model: str, env: dict[str, str]) -> dict[str, float]:
 
 
 def phases(marks: dict[str, float]) -> dict[str, float]:
+    """Each phase's seconds; a mark an older engine does not log is NaN and its time goes to the next phase."""
     out, before = {}, 0.0
     for phase, _ in MARKS:
-        out[phase] = marks[phase] - before
-        before = marks[phase]
+        out[phase] = marks[phase] - before if phase in marks else math.nan
+        before = marks.get(phase, before)
     out["ready"] = marks["ready"]
     return out
 
