@@ -38,7 +38,9 @@ from llmdeploy.spec.sources import resolve_model_source, weight_files
 log = logging.getLogger("llmdeploy.engine")
 FORMAT_VERSION = 1  # bump when what a file holds changes
 KEEP = 64  # files kept; older ones are removed when a new one is written
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASS")  # environment names never read into a key
+# LLMDEPLOY_* names never read into a key: secrets, and what names a process or a folder rather than a kernel (the
+# daemon's owner tag differs per replica and revision, which share their measures)
+NOT_KERNEL_WORDS = ("TOKEN", "KEY", "SECRET", "PASS", "OWNER", "HOME", "CACHE_DIR")
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,11 @@ def model_files(config: EngineConfig) -> list[list]:
 
 
 def kernel_switches() -> dict[str, str]:
-    """The LLMDEPLOY_* settings in the environment (row thresholds, kernels off), never a token or a key."""
+    """The LLMDEPLOY_* settings in the environment (row thresholds, kernels off), without NOT_KERNEL_WORDS' names."""
     return {
         name: value
         for name, value in sorted(os.environ.items())
-        if name.startswith("LLMDEPLOY_")
-        and name != "LLMDEPLOY_CACHE_DIR"
-        and not any(word in name for word in SECRET_WORDS)
+        if name.startswith("LLMDEPLOY_") and not any(word in name for word in NOT_KERNEL_WORDS)
     }
 
 

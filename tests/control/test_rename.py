@@ -52,6 +52,10 @@ def test_a_new_alias_starts_a_revision_and_both_names_work(rig):
             assert resp.status_code == 200, resp.text
             assert resp.json()["model"] == model and resp.headers["x-llmdeploy-revision"] == str(pin)
     assert ask(rig, "other").json()["error"]["code"] == "model_not_found"
+    # the same engine settings under a new name: revision 2's engine read the start measures revision 1's kept
+    # (engine/start_measures.py: the owner tag the daemon gives each replica is not part of their key)
+    rev2_log = (rig["cli"].home / NAME / "logs" / "engine-rev2-r1.log").read_text()
+    assert "kept from an earlier start" in rev2_log
 
 
 def test_promote_leaves_only_the_new_name(rig):

@@ -82,11 +82,21 @@ def test_a_kernel_switch_in_the_environment_is_part_of_the_key(tiny_llama, kept_
     before = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
     monkeypatch.setenv("LLMDEPLOY_TILE_AHEAD_ROWS", "8")
     assert start_measures.measures_path(cfg, runner.dtype, runner.max_model_len) != before
-    monkeypatch.setenv("LLMDEPLOY_ENGINE_TOKEN", "s3cret-token")  # never read: not a speed setting
+    with_switch = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
+    # never read: a secret, and what the daemon sets per replica (its revisions and replicas share measures)
+    monkeypatch.setenv("LLMDEPLOY_ENGINE_TOKEN", "s3cret-token")
+    monkeypatch.setenv("LLMDEPLOY_ENGINE_OWNER", "/home/x/.llmdeploy/chat#2/r3")
+    monkeypatch.setenv("LLMDEPLOY_HOME", str(kept_in.parent / "home"))
     monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(kept_in.parent / "elsewhere"))
+    assert start_measures.measures_path(cfg, runner.dtype, runner.max_model_len) == with_switch
     switches = start_measures.kernel_switches()
     assert switches["LLMDEPLOY_TILE_AHEAD_ROWS"] == "8"
-    assert "LLMDEPLOY_ENGINE_TOKEN" not in switches and "LLMDEPLOY_CACHE_DIR" not in switches
+    assert not {
+        "LLMDEPLOY_ENGINE_TOKEN",
+        "LLMDEPLOY_ENGINE_OWNER",
+        "LLMDEPLOY_HOME",
+        "LLMDEPLOY_CACHE_DIR",
+    } & set(switches)
 
 
 @pytest.mark.parametrize(
