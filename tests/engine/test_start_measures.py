@@ -76,7 +76,7 @@ def test_a_changed_option_or_model_file_is_measured_again(tiny_model, kept_in, s
     assert probe_steps(steps) == 6 and len(list(kept_in.glob("*.json"))) == 3
 
 
-def test_a_kernel_switch_in_the_environment_is_part_of_the_key(tiny_llama, kept_in, monkeypatch):
+def test_a_kernel_switch_is_part_of_the_key_and_a_replicas_owner_tag_is_not(tiny_llama, kept_in, monkeypatch):
     cfg = config(tiny_llama)
     runner = ModelRunner(cfg)
     before = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
