@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,21 @@ def tiny_llama(tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_engine(tiny_llama, tmp_path_factory):
+def stop_at_end():
+    """stop_at_end(stop): `stop()` runs when the session ends, side by side with every other one registered. The
+    session's servers each take a second or more to drain and exit; one after another they made the last test's
+    teardown 11-13 s. The first error any of them raised is raised once all have run."""
+    stops: list = []
+    yield stops.append
+    with ThreadPoolExecutor(max_workers=max(1, len(stops))) as pool:
+        futures = [pool.submit(stop) for stop in stops]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tiny_llama, tmp_path_factory, stop_at_end):
     """shared_engine(*extra_args) -> (ServerProcess, url): one real engine server over the tiny llama per set of
     extra arguments (tests/engine/test_server.py's ENGINE_ARGS first), shared by the test modules that only send it
     requests, so the session starts it once (~5 s a start) instead of once a module."""
@@ -44,11 +59,10 @@ def shared_engine(tiny_llama, tmp_path_factory):
         if extra not in started:
             log = tmp_path_factory.mktemp("shared-engine") / "engine.log"
             started[extra] = start_engine(tiny_llama, log, *extra)
+            stop_at_end(started[extra][0].stop)
         return started[extra]
 
-    yield get
-    for proc, _ in started.values():
-        proc.stop()
+    return get
 
 
 def _triton_interpreter_without_cuda() -> None:

@@ -44,7 +44,7 @@ class Deployment:
 
 
 @pytest.fixture(scope="session")
-def bench_engine(tiny_llama, tmp_path_factory):
+def bench_engine(tiny_llama, tmp_path_factory, stop_at_end):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [
@@ -61,8 +61,8 @@ def bench_engine(tiny_llama, tmp_path_factory):
     proc = ServerProcess(
         args, f"{url}/health", tmp_path_factory.mktemp("bench-engine") / "engine.log"
     ).start()
-    yield url
-    proc.stop()
+    stop_at_end(proc.stop)
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +90,7 @@ cloud: {{enabled: true, provider: openai-compatible, base_url: "{cloud_url}", ap
 
 
 @pytest.fixture(scope="session")
-def deployment(bench_engine, bench_cloud, tiny_llama, tmp_path_factory):
+def deployment(bench_engine, bench_cloud, tiny_llama, tmp_path_factory, stop_at_end):
     d = tmp_path_factory.mktemp("bench-router")
     port = free_port()
     spec = d / "llmdeploy.yaml"
@@ -98,5 +98,5 @@ def deployment(bench_engine, bench_cloud, tiny_llama, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     args = ["-m", "llmdeploy.router", "--config", str(spec), "--engine", bench_engine]
     proc = ServerProcess(args, f"{url}/health", d / "router.log", env=ENV).start()
-    yield Deployment(bench_engine, url, bench_cloud, spec)
-    proc.stop()
+    stop_at_end(proc.stop)
+    return Deployment(bench_engine, url, bench_cloud, spec)

@@ -25,7 +25,7 @@ _candidate_seqs = itertools.count(8)
 
 
 @pytest.fixture(scope="session")
-def obs(tmp_path_factory, tiny_llama):
+def obs(tmp_path_factory, tiny_llama, stop_at_end):
     root = tmp_path_factory.mktemp("obs")
     cloud = FakeCloud(root, expected_key=CLOUD_KEY).start()
     cli = Cli(root / "home", env=ENV)
@@ -52,12 +52,14 @@ def obs(tmp_path_factory, tiny_llama):
     )
     rig = {"cli": cli, "root": root, "spec": v1, "url": f"http://{v1['listen']}", "cloud": cloud}
     rig["v1"] = write_spec(root / "v1.yaml", v1)
-    try:
-        cli.ok("apply", str(rig["v1"]))
-        yield rig
-    finally:
+
+    def stop() -> None:
         cli.cleanup(NAME)
         cloud.stop()
+
+    stop_at_end(stop)  # registered first: a failed apply is cleaned up too
+    cli.ok("apply", str(rig["v1"]))
+    return rig
 
 
 def ensure_candidate(rig) -> int:

@@ -119,12 +119,12 @@ def fakes(cloud, fake_engine):
 
 
 @pytest.fixture(scope="session")
-def token_engine(tiny_llama, tmp_path_factory):
+def token_engine(tiny_llama, tmp_path_factory, stop_at_end):
     """A real engine on the tiny Llama that requires the internal token, as the daemon starts them."""
     log = tmp_path_factory.mktemp("token-engine") / "engine.log"
     proc, url = start_engine(tiny_llama, log, *GUARD_ARGS, env={ENGINE_TOKEN_ENV: ENGINE_TOKEN})
-    yield proc, url
-    proc.stop()
+    stop_at_end(proc.stop)
+    return proc, url
 
 
 @pytest.fixture
@@ -153,10 +153,10 @@ def access_log(caplog):
 
 
 @pytest.fixture(scope="session")
-def deployment(tiny_llama, tmp_path_factory):
+def deployment(tiny_llama, tmp_path_factory, stop_at_end):
     """The whole deployment the heavy tests (and the secrets scan after them) run against."""
     from tests.reliability.deployment import start_deployment, stop_deployment
 
     dep = start_deployment(tmp_path_factory.mktemp("deployment"), tiny_llama)
-    yield dep
-    stop_deployment(dep)
+    stop_at_end(lambda: stop_deployment(dep))
+    return dep
