@@ -109,7 +109,7 @@ def revisions_table(st: dict[str, Any]) -> Table:
 def replicas_table(st: dict[str, Any]) -> Table:
     t = Table(title="Replicas", title_justify="left", show_edge=False)
     identity = ("REV", "REPLICA", "PID", "PORT", "HEALTH", "DTYPE")
-    cols = (*identity, "RESTARTS", "KV USED", "WAITING", "RUNNING", "MEMORY")
+    cols = (*identity, "RESTARTS", "STARTED IN", "KV USED", "WAITING", "RUNNING", "MEMORY")
     for col in cols:
         t.add_column(col, overflow="fold" if col == "MEMORY" else "ellipsis")
     for r in st["replicas"]:
@@ -123,6 +123,7 @@ def replicas_table(st: dict[str, Any]) -> Table:
             health,
             dtype_cell(r),
             str(r["restarts"]),
+            f"{r['start_s']:g} s" if r.get("start_s") is not None else "-",
             kv,
             _num(r.get("waiting")),
             _num(r.get("running")),

@@ -190,6 +190,7 @@ def _orphan(rec: EngineRecord) -> dict[str, Any]:
         "ready": healthy,
         "phase": "running, unsupervised" if healthy else "not answering, unsupervised",
         "restarts": rec.restarts,
+        "start_s": None,
         "kv_tokens": None,
         "failed": False,
         **{k: load.get(k) if isinstance(load, dict) else None for k in LOAD_KEYS},

@@ -74,6 +74,9 @@ class Replica:
     kv_tokens: int | None = None
     started: float = field(default_factory=time.monotonic)
     ready_since: float | None = None
+    start_s: float | None = (
+        None  # its last start, spawn to the first 200 /health (None: adopted, or not ready yet)
+    )
     task: asyncio.Task | None = None
     stopping: bool = False
     restart_pending: bool = False
@@ -94,6 +97,7 @@ class Replica:
             "ready": self.ready,
             "phase": self.phase,
             "restarts": self.restarts,
+            "start_s": self.start_s,
             "kv_tokens": self.kv_tokens,
             "failed": self.failed,
         }
@@ -361,6 +365,9 @@ class Supervisor:
 
     async def _became_ready(self, r: Replica) -> None:
         r.ready, r.ever_ready, r.ready_since = True, True, time.monotonic()
+        if r.phase != "adopted":  # an adopted engine's start was before this daemon
+            r.start_s = round(r.ready_since - r.started, 1)
+        took = f" in {r.start_s:g} s" if r.start_s is not None else ""
         try:
             load = (await self.http.get(f"{r.url}/load")).json()
             r.kv_tokens = int(load["total_blocks"]) * int(load["block_size"])
@@ -371,11 +378,13 @@ class Supervisor:
             r.restart_pending = False
             self.event(
                 "engine-restart",
-                f"engine {r.name} restarted and ready (pid {r.pid}, port {r.port})",
+                f"engine {r.name} restarted and ready{took} (pid {r.pid}, port {r.port})",
                 r.revision,
-                {"pid": r.pid, "port": r.port, "restarts": r.restarts},
+                {"pid": r.pid, "port": r.port, "restarts": r.restarts, "start_s": r.start_s},
             )
-        log.info("engine rev %s %s ready (pid %s, KV %s tokens)", r.revision, r.name, r.pid, r.kv_tokens)
+        log.info(
+            "engine rev %s %s ready%s (pid %s, KV %s tokens)", r.revision, r.name, took, r.pid, r.kv_tokens
+        )
         self.on_change()
 
     async def loads(self) -> dict[tuple[int, str], dict]:

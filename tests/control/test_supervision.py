@@ -156,8 +156,14 @@ def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
     assert long_codes and set(long_codes) == {200}, sorted(set(long_codes))
     # the requests the kill cut were answered by another backend, before the client saw anything
     assert failovers_from_local(rig["url"]) > failovers_before
-    kinds = [(e["kind"], e["revision"]) for e in rig["cli"].status(NAME)["events"]]
+    st = rig["cli"].status(NAME)
+    kinds = [(e["kind"], e["revision"]) for e in st["events"]]
     assert ("engine-crash", 1) in kinds and ("engine-restart", 1) in kinds
+    # how long the restart took, spawn to ready: in the event and on the replica
+    restart = next(e for e in st["events"] if e["kind"] == "engine-restart")
+    r1 = next(r for r in st["replicas"] if r["replica"] == "r1")
+    assert restart["data"]["start_s"] == r1["start_s"] > 0
+    assert f"restarted and ready in {r1['start_s']:g} s" in restart["message"]
     assert not pid_alive(victim["pid"])
     print(
         f"{len(codes)} short and {len(long_codes)} long requests during the crash; backends: {sorted(set(backends))}"
