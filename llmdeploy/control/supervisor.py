@@ -74,9 +74,8 @@ class Replica:
     kv_tokens: int | None = None
     started: float = field(default_factory=time.monotonic)
     ready_since: float | None = None
-    start_s: float | None = (
-        None  # its last start, spawn to the first 200 /health (None: adopted, or not ready yet)
-    )
+    # its last start, spawn to the first 200 /health (None: adopted, or not ready yet)
+    start_s: float | None = None
     task: asyncio.Task | None = None
     stopping: bool = False
     restart_pending: bool = False
