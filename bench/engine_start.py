@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from llmdeploy.control.processes import free_port
 from llmdeploy.engine.weights_cache import cache_root
 from llmdeploy.kernels.cpu_flags import cpu_model
 
@@ -37,12 +37,6 @@ MARKS = (  # phase -> the log line that ends it
     ("serve", "listening on"),
 )
 TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def linked_cache(folder: Path) -> Path:

@@ -187,7 +187,8 @@ class ModelRunner:
         """The attention cost constant and the step-cost calibration: kept from an earlier start of this engine on
         this machine (engine/start_measures.py), else measured now and kept."""
         kept_here = self.device.type == "cpu" and self.tp is None
-        path = measures_path(self.config, self.dtype, self.max_model_len) if kept_here else None
+        source = self.loaded.source
+        path = measures_path(self.config, source, self.dtype, self.max_model_len) if kept_here else None
         kept = read_measures(path)
         if kept is not None:
             context, how = kept.attn_cost_context, f"{kept.attn_how}, kept from an earlier start: {path}"

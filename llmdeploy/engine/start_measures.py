@@ -33,7 +33,7 @@ from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.weights_cache import cache_root
 from llmdeploy.kernels.cpu_flags import cpuinfo_lines
-from llmdeploy.spec.sources import resolve_model_source, weight_files
+from llmdeploy.spec.sources import ModelSource, weight_files
 
 log = logging.getLogger("llmdeploy.engine")
 FORMAT_VERSION = 1  # bump when what a file holds changes
@@ -65,9 +65,8 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
-def model_files(config: EngineConfig) -> list[list]:
+def model_files(source: ModelSource) -> list[list]:
     """[path, size, mtime_ns] of each file the weights and config load from."""
-    source = resolve_model_source(config.model, Path(config.base_dir) if config.base_dir else None)
     files = (
         [source.path] if source.kind == "gguf" else [source.path / "config.json", *weight_files(source.path)]
     )
@@ -102,10 +101,13 @@ def kept_path(what: dict) -> Path:
     return measures_dir() / f"{key}.json"
 
 
-def measures_path(config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> Path | None:
-    """Where this engine's measures are kept; None where they cannot be keyed (an unreadable model file)."""
+def measures_path(
+    config: EngineConfig, source: ModelSource, dtype: torch.dtype, max_model_len: int
+) -> Path | None:
+    """Where the measures of this engine (over the model `source` it loaded) are kept; None where they cannot be
+    keyed (a model file gone since)."""
     try:
-        what = {"model": model_files(config), "config": asdict(config), "dtype": str(dtype)}
+        what = {"model": model_files(source), "config": asdict(config), "dtype": str(dtype)}
         return kept_path({**what, "max_model_len": max_model_len})
     except (OSError, ValueError) as exc:
         log.debug("start measures not kept: %s", exc)

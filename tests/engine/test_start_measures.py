@@ -79,16 +79,17 @@ def test_a_changed_option_or_model_file_is_measured_again(tiny_model, kept_in, s
 def test_a_kernel_switch_is_part_of_the_key_and_a_replicas_owner_tag_is_not(tiny_llama, kept_in, monkeypatch):
     cfg = config(tiny_llama)
     runner = ModelRunner(cfg)
-    before = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
+    source = runner.loaded.source
+    before = start_measures.measures_path(cfg, source, runner.dtype, runner.max_model_len)
     monkeypatch.setenv("LLMDEPLOY_TILE_AHEAD_ROWS", "8")
-    assert start_measures.measures_path(cfg, runner.dtype, runner.max_model_len) != before
-    with_switch = start_measures.measures_path(cfg, runner.dtype, runner.max_model_len)
+    assert start_measures.measures_path(cfg, source, runner.dtype, runner.max_model_len) != before
+    with_switch = start_measures.measures_path(cfg, source, runner.dtype, runner.max_model_len)
     # never read: a secret, and what the daemon sets per replica (its revisions and replicas share measures)
     monkeypatch.setenv("LLMDEPLOY_ENGINE_TOKEN", "s3cret-token")
     monkeypatch.setenv("LLMDEPLOY_ENGINE_OWNER", "/home/x/.llmdeploy/chat#2/r3")
     monkeypatch.setenv("LLMDEPLOY_HOME", str(kept_in.parent / "home"))
     monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(kept_in.parent / "elsewhere"))
-    assert start_measures.measures_path(cfg, runner.dtype, runner.max_model_len) == with_switch
+    assert start_measures.measures_path(cfg, source, runner.dtype, runner.max_model_len) == with_switch
     switches = start_measures.kernel_switches()
     assert switches["LLMDEPLOY_TILE_AHEAD_ROWS"] == "8"
     assert not {
