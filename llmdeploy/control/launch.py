@@ -46,6 +46,9 @@ class EngineHandle(Protocol):
 
     def exit_description(self) -> str: ...
 
+    def exit_code(self) -> int | None:
+        """The engine's exit status once it has exited (negative: the signal), None while it runs or unknown."""
+
     async def stop(self, drain_s: float) -> None:
         """SIGTERM (the engine drains), SIGKILL after drain_s; returns once it has exited."""
 
@@ -93,6 +96,9 @@ class LocalProcess:
             return "exited" if self.proc is None else "did not become ready in time"
         code = self.proc.returncode
         return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode  # an adopted engine's is its old daemon's
 
     async def stop(self, drain_s: float) -> None:
         await asyncio.to_thread(terminate, self.pid, drain_s)
@@ -148,6 +154,9 @@ class StartFailed:
 
     def exit_description(self) -> str:
         return f"could not start: {self.why}"
+
+    def exit_code(self) -> int | None:
+        return None
 
     async def stop(self, drain_s: float) -> None:
         return None

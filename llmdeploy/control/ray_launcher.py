@@ -227,6 +227,9 @@ class RayEngine:
         code = self.returncode
         return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
+    def exit_code(self) -> int | None:
+        return self.returncode
+
     async def stop(self, drain_s: float) -> None:
         ray = self.launcher.ray
         if not self.gone:

@@ -36,6 +36,7 @@ from llmdeploy.control.processes import (  # noqa: F401 -- pid_alive, stop_recor
     terminate,
 )
 from llmdeploy.control.state import EngineRecord, StateStore
+from llmdeploy.engine.errors import CANNOT_LOAD_EXIT
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.spec.models import DeploymentSpec, not_yet_supported
 
@@ -296,14 +297,20 @@ class Supervisor:
         if was_ready:
             self.on_change()
         tail = log_tail(self.paths.engine_log(r.revision, r.name))
-        if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY and r.added:
-            await self._drop_added(r, how, tail)
-            return False
-        if not r.ever_ready and r.crashes >= MAX_CRASHES_BEFORE_READY:
+        cannot_load = r.handle is not None and r.handle.exit_code() == CANNOT_LOAD_EXIT
+        if not r.ever_ready and (cannot_load or r.crashes >= MAX_CRASHES_BEFORE_READY):
+            why = (
+                f"cannot load its model ({how})"
+                if cannot_load
+                else f"{how} {r.crashes} times before becoming ready"
+            )
+            if r.added:
+                await self._drop_added(r, how, why, tail)
+                return False
             r.failed, r.phase = True, f"failed: {how}"
             self.event(
                 "engine-failed",
-                f"engine {r.name} {how} {r.crashes} times before becoming ready; giving up",
+                f"engine {r.name} {why}; giving up",
                 r.revision,
                 {"pid": r.pid, "log_tail": tail},
             )
@@ -329,7 +336,7 @@ class Supervisor:
         r.restart_pending = True
         return not r.stopping
 
-    async def _drop_added(self, r: Replica, how: str, tail: str) -> None:
+    async def _drop_added(self, r: Replica, how: str, why: str, tail: str) -> None:
         """An added replica that never became ready leaves the revision, which keeps serving without it."""
         reps = self.replicas.get(r.revision, [])
         if r in reps:
@@ -338,8 +345,7 @@ class Supervisor:
         self.failed_adds[r.revision] = time.monotonic()
         self.event(
             "engine-failed",
-            f"added engine {r.name} {how} {r.crashes} times before becoming ready; giving up "
-            f"(the revision keeps its {len(reps)} replicas)",
+            f"added engine {r.name} {why}; giving up (the revision keeps its {len(reps)} replicas)",
             r.revision,
             {"pid": r.pid, "log_tail": tail},
         )

@@ -20,6 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from llmdeploy.engine.errors import CANNOT_LOAD_EXIT, CapacityError
+from llmdeploy.engine.resources import kv_cache_over_memory
 from llmdeploy.openai_api.guard import HTTPLimits, add_http_limit_args
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 from llmdeploy.spec.models import EngineSpec, ModelSpec, SLASpec
@@ -154,15 +156,23 @@ def main(argv: list[str] | None = None) -> int:
         resolve_model_source(args.model, Path(args.base_dir) if args.base_dir else None)
     except ModelSourceError as exc:
         log.error("cannot load model %s: %s", args.model, exc)
+        return CANNOT_LOAD_EXIT
+
+    too_big = kv_cache_over_memory(config.kv_cache_gb) if config.device == "cpu" else None
+    if too_big:  # before the engine's imports and weights; the memory it found: another try may find more
+        log.error("cannot start: %s", too_big)
         return 1
 
     from llmdeploy.engine.async_engine import AsyncLLMEngine
 
     try:
         engine = AsyncLLMEngine(config)
-    except (ModelSourceError, ValueError) as exc:  # a bad path or unsupported model: say so, no traceback
-        log.error("cannot load model %s: %s", args.model, exc)
+    except CapacityError as exc:  # the memory it found: another try may find more
+        log.error("cannot start: %s", exc)
         return 1
+    except (ModelSourceError, ValueError) as exc:  # a bad path, checkpoint or option: say so, no traceback
+        log.error("cannot load model %s: %s", args.model, exc)
+        return CANNOT_LOAD_EXIT
     log_startup(engine, args)
     return run_server(engine, args, os.environ.get(ENGINE_TOKEN_ENV) or None)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# the engine's exit status when its model or options cannot work (sysexits' EX_CONFIG): a restart would fail the
+# same way, so the supervisor gives up on a replica that never became ready instead of retrying it
+CANNOT_LOAD_EXIT = 78
+
 
 class EngineError(Exception):
     """Base of the engine's own errors."""

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from llmdeploy.engine.cpu_dtype import choose_cpu_dtype
 from llmdeploy.engine.estimate import FLOAT16_ON_CPU
 from llmdeploy.engine.gguf_blocks import read_block_weights
+from llmdeploy.engine.model_config import read_model_config
 from llmdeploy.engine.models import model_class
 from llmdeploy.engine.models.layers import packed_linear_available
 from llmdeploy.engine.models.llama import head_dim_of
@@ -110,7 +111,7 @@ def load_model(
     folder = source.path if source.kind == "hf" else ensure_converted(source.path)
     raw = json.loads((folder / "config.json").read_text())
     cls = model_class(raw.get("architectures"), raw.get("model_type"))  # before transformers parses it
-    config = AutoConfig.from_pretrained(folder)
+    config = read_model_config(folder)
     rope_inv_freq(config, head_dim_of(config))  # an unsupported rope type fails before the weights load
     dev = resolve_device(device)
     if quantization != "none" and dev.type != "cpu":
@@ -140,7 +141,7 @@ def load_model(
         log.warning("engine.compile is not used with tensor_parallel > 1: the layers run eager")
         compile = False
     speed_up(model, dev, torch_dtype, backend, quantization, compile)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, config=config)  # not parsing config.json again
     arch = model_shape(config, max_positions, eos_token_ids(folder, config, tokenizer))
     return LoadedModel(model, tokenizer, arch, torch_dtype, dev, source, dtype_reason, quantization)
 
@@ -159,7 +160,7 @@ def read_hf_config(path: str, base_dir: str | Path | None = None) -> PretrainedC
     """The model's config as load_model reads it (a GGUF file is converted into the cache first)."""
     source = resolve_model_source(path, Path(base_dir) if base_dir is not None else None)
     folder = source.path if source.kind == "hf" else ensure_converted(source.path)
-    return AutoConfig.from_pretrained(folder)
+    return read_model_config(folder)
 
 
 # what nn.Linear, nn.Embedding and the norms' reset_parameters call

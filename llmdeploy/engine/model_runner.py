@@ -29,7 +29,7 @@ from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.loader import LoadedModel, load_model
 from llmdeploy.engine.outputs import Capacity, TokenLogprob
 from llmdeploy.engine.parallel.shard import Shard
-from llmdeploy.engine.resources import host_memory_available, trim_heap
+from llmdeploy.engine.resources import kv_cache_over_memory, trim_heap
 from llmdeploy.engine.scheduler import ScheduledBatch
 from llmdeploy.engine.sequence import Sequence
 from llmdeploy.engine.start_measures import StartMeasures, measures_path, read_measures, write_measures
@@ -254,13 +254,8 @@ class ModelRunner:
 
     def cpu_kv_bytes(self) -> tuple[int, str, str]:
         gb = self.config.kv_cache_gb
-        available = host_memory_available()
-        if available is not None and gb * GiB > available:
-            # the cache's pages are only committed as they fill (see zeroed): refuse now, not at the OOM killer
-            raise CapacityError(
-                f"engine.kv_cache_gb={gb} is more than this machine's available memory "
-                f"({available / GiB:.1f} GiB); lower engine.kv_cache_gb."
-            )
+        if too_big := kv_cache_over_memory(gb):
+            raise CapacityError(too_big)
         return (
             int(gb * GiB),
             f"engine.kv_cache_gb={gb}",

@@ -74,6 +74,18 @@ def host_memory_available() -> int | None:
     return None
 
 
+def kv_cache_over_memory(gb: float) -> str | None:
+    """Why a CPU KV cache of `gb` GiB cannot be had now (more than the machine's available memory), or None. The
+    cache's pages are only committed as they fill: refused at start, not at the OOM killer."""
+    available = host_memory_available()
+    if available is not None and gb * (1 << 30) > available:
+        return (
+            f"engine.kv_cache_gb={gb} is more than this machine's available memory "
+            f"({available / (1 << 30):.1f} GiB); lower engine.kv_cache_gb."
+        )
+    return None
+
+
 def host_memory() -> tuple[int, int | None]:
     """(total, available) bytes of this machine; available is None off Linux."""
     return host_memory_total(), host_memory_available()

@@ -123,7 +123,7 @@ def read_kept(path: Path | None) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        log.warning("start measures %s unreadable (%s): measuring again", path, exc)
+        log.warning("kept file %s unreadable (%s): made again", path, exc)
         return None
     return data if isinstance(data, dict) else None
 
@@ -139,7 +139,7 @@ def write_kept(path: Path | None, data: dict) -> None:
         os.replace(tmp, path)
         prune(path.parent)
     except OSError as exc:
-        log.warning("start measures not kept in %s: %s", path.parent, exc)
+        log.warning("not kept in %s: %s", path.parent, exc)
         with contextlib.suppress(OSError):
             tmp.unlink()
 

@@ -63,6 +63,12 @@ def rig(tmp_path_factory, tiny_llama):
     # a whole safetensors file (validate reads its header) whose one tensor the model has no place for
     write_safetensors(broken_model / "model.safetensors", {"junk": [1]})
     broken = {**v1, "model": {**v1["model"], "path": str(broken_model)}, "parallel": {"replicas": 1}}
+    # refused for want of memory, which another try might find: retried, unlike a model that cannot load
+    hungry = {
+        **v1,
+        "engine": {**v1["engine"], "device": "cpu", "kv_cache_gb": 1e6},
+        "parallel": {"replicas": 1},
+    }
     failing = {
         **v1,
         "parallel": {"replicas": 1},
@@ -75,6 +81,7 @@ def rig(tmp_path_factory, tiny_llama):
     files = {
         "v1": write_spec(root / "v1.yaml", v1),
         "broken": write_spec(root / "broken.yaml", broken),
+        "hungry": write_spec(root / "hungry.yaml", hungry),
         "failing": write_spec(root / "failing.yaml", failing),
     }
     yield {"cli": cli, "files": files, "url": f"http://{v1['listen']}", "cloud": cloud, "root": root}
@@ -170,34 +177,52 @@ def test_kill_9_of_an_engine_restarts_it_while_requests_keep_succeeding(rig):
     )
 
 
-def test_a_candidate_that_cannot_start_fails_and_stable_keeps_serving(rig):
+def events_of(st: dict, rev: int, kind: str) -> list[dict]:
+    return [e for e in st["events"] if e["kind"] == kind and e["revision"] == rev]
+
+
+def test_a_candidate_that_cannot_load_its_model_fails_at_once_and_stable_keeps_serving(rig):
     r = rig["cli"].run("apply", str(rig["files"]["broken"]))
     assert r.returncode == 1 and "revision 2 failed to start" in r.stderr, r.stderr
     st = rig["cli"].status(NAME)
     assert revision(st, 2)["state"] == "failed" and split_of(st) == {1: 100.0}
     assert pids_of(st, 2) == []
-    assert any(e["kind"] == "engine-failed" and e["revision"] == 2 for e in st["events"])
+    (failed,) = events_of(st, 2, "engine-failed")
+    # the engine said its model cannot load (exit 78): no restart would help, so there was none
+    assert "cannot load its model (exited with code 78); giving up" in failed["message"], failed
+    assert "has no place in" in failed["data"]["log_tail"] and events_of(st, 2, "engine-crash") == []
     assert {x.status_code for x in send_many(rig["url"], ["a", "b", "c"], HEADERS)} == {200}
+
+
+def test_a_candidate_crashing_before_ready_is_retried_then_given_up(rig):
+    r = rig["cli"].run("apply", str(rig["files"]["hungry"]))
+    assert r.returncode == 1 and "revision 3 failed to start" in r.stderr, r.stderr
+    st = rig["cli"].status(NAME)
+    assert revision(st, 3)["state"] == "failed" and split_of(st) == {1: 100.0}
+    (failed,) = events_of(st, 3, "engine-failed")
+    assert "exited with code 1 3 times before becoming ready; giving up" in failed["message"], failed
+    assert "more than this machine's available memory" in failed["data"]["log_tail"]
+    assert [e["data"]["crashes_in_a_row"] for e in events_of(st, 3, "engine-crash")] == [1, 2]
 
 
 def test_a_candidate_breaking_its_limits_is_rolled_back_automatically(rig):
     rig["cli"].ok("apply", str(rig["files"]["failing"]))
     st = rig["cli"].status(NAME)
-    assert split_of(st) == {1: 50.0, 3: 50.0}  # rollout.canary_percent once ready
-    candidate_pids = pids_of(st, 3)
+    assert split_of(st) == {1: 50.0, 4: 50.0}  # rollout.canary_percent once ready
+    candidate_pids = pids_of(st, 4)
 
     def rolled_back():
         send_many(rig["url"], [f"s{i}" for i in range(20)], HEADERS, stream=True)
-        return revision(rig["cli"].status(NAME), 3)["state"] == "rolled-back"
+        return revision(rig["cli"].status(NAME), 4)["state"] == "rolled-back"
 
     wait_for(rolled_back, 120, 0.5, "the automatic rollback")
     st = rig["cli"].status(NAME)
     assert split_of(st) == {1: 100.0}
     event = next(e for e in st["events"] if e["kind"] == "auto-rollback")
-    assert event["revision"] == 3 and "TTFT p99" in event["message"]
+    assert event["revision"] == 4 and "TTFT p99" in event["message"]
     numbers = event["data"]
     assert numbers["requests"] >= 10 and numbers["ttft_p99_ms"] > numbers["max_ttft_p99_ms"] == 0.001
-    assert "automatic: TTFT p99" in revision(st, 3)["reason"]
+    assert "automatic: TTFT p99" in revision(st, 4)["reason"]
     assert "last auto-rollback" in rig["cli"].ok("status").stdout.replace("\n", " ")
     wait_for(
         lambda: not any(pid_alive(p) for p in candidate_pids), 30, what="the candidate's engines to stop"

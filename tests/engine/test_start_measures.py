@@ -132,7 +132,7 @@ def test_an_unwritable_folder_still_starts(tiny_llama, tmp_path, monkeypatch, ca
     caplog.set_level(logging.WARNING, logger="llmdeploy.engine")
     runner = ModelRunner(config(tiny_llama))
     assert len(runner.calibration) == 4
-    assert any("start measures not kept" in r.getMessage() for r in caplog.records)
+    assert any("not kept in" in r.getMessage() for r in caplog.records)
     assert list(tmp_path.iterdir()) == [blocker]  # no temporary file left behind
 
 

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmdeploy.cli.main import app
+from llmdeploy.engine.errors import CANNOT_LOAD_EXIT
 from llmdeploy.spec.sources import ModelSourceError, check_weight_files, resolve_model_source, weight_files
 from tests.helpers.safetensors_files import write_safetensors
 
@@ -100,7 +101,7 @@ def test_the_engine_refuses_a_corrupt_download_before_its_imports(model):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == CANNOT_LOAD_EXIT, proc.stderr[-3000:]  # no retry would help
     errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert any(
         "cannot load model" in e and "model.safetensors is not a safetensors file" in e for e in errors
