@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from llmdeploy.control.processes import free_port
 from llmdeploy.engine.weights_cache import cache_root
 from llmdeploy.kernels.cpu_flags import cpu_model
+from llmdeploy.spec.addresses import free_port
 
 MARKS = (  # phase -> the log line that ends it
     ("imports", "llmdeploy.engine.loader: dtype"),

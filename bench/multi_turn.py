@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_vs_hf import MODEL, WORDS  # noqa: E402
 from bench.mixed_ttft import cpu_model, load_average, percentile  # noqa: E402
+from llmdeploy.spec.addresses import free_port  # noqa: E402
 
 ALIAS = "mt"
 MODES = ("prefix", "least_loaded")
@@ -276,14 +277,6 @@ def spec_for(mode: str, model: str, port: int, args) -> dict:
         "auth": {"api_key_required": False},
         "logging": {"level": "info"},  # the router's access lines name each request's replica
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(home: Path, threads: int, *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -21,13 +21,14 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from llmdeploy.spec.addresses import free_port
 
 ALIAS = "chat-model-v1"
 KEY = "sk-bench-0123456789"
@@ -201,12 +202,6 @@ async def max_throughput(
 
 
 # ---- processes --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(cmd: list[str], health: str, env: dict | None = None, timeout_s: float = 120) -> subprocess.Popen:
     import urllib.request
 

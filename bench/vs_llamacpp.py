@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.ceilings import cpu_info  # noqa: E402
+from llmdeploy.spec.addresses import free_port  # noqa: E402
 from llmdeploy.spec.sources import resolve_model_source  # noqa: E402
 
 ALIAS = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:

@@ -111,7 +111,7 @@ class LocalLauncher:
     adopts = True
 
     async def start(self, job: EngineJob, on_handle: HandleSink) -> LocalProcess:
-        from llmdeploy.control.processes import free_port
+        from llmdeploy.spec.addresses import free_port
 
         port = free_port()
         with open(job.log_path, "ab") as out:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -15,12 +14,6 @@ from llmdeploy.control.state import EngineRecord, StateStore
 from llmdeploy.openai_api.headers import ENGINE_TOKEN_ENV
 
 OWNER_ENV = "LLMDEPLOY_ENGINE_OWNER"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def owner_tag(paths: DeploymentPaths, revision: int, replica: str) -> str:

@@ -140,7 +140,7 @@ class EngineActor:
         import ray
 
         from llmdeploy.control.engine_args import engine_command
-        from llmdeploy.control.processes import free_port
+        from llmdeploy.spec.addresses import free_port
 
         host = ray.util.get_node_ip_address()
         port = free_port(host)

@@ -1,9 +1,10 @@
-"""Listen addresses: `host:port` parsing and the loopback test the auth and TLS rules turn on."""
+"""Listen addresses: `host:port` parsing, the loopback test the auth and TLS rules turn on, and a free port."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -24,3 +25,10 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port no one listens on at `host` now (the OS's pick; another process may still take it before use)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

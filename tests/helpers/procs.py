@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,18 +11,14 @@ from pathlib import Path
 
 import httpx
 
+from llmdeploy.spec.addresses import free_port  # noqa: F401 (the tests import it from here)
+
 
 def ctrl_c_works() -> None:
     """Popen preexec_fn for a child that a test stops with SIGINT (Ctrl-C): a runner started in the background of
     a non-interactive shell ignores SIGINT, its children inherit that, and Python then installs no
     KeyboardInterrupt handler; the default disposition restores it."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

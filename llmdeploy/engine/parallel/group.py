@@ -8,7 +8,6 @@ CPU both are the same gloo group.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -33,12 +32,6 @@ class RankGroup:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return int(t.item())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((MASTER_ADDR, 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: str, rank: int) -> torch.device:

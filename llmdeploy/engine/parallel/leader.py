@@ -24,9 +24,10 @@ import torch
 from llmdeploy.engine.attention import AttentionMetadata
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.loader import read_hf_config, resolve_device, resolve_dtype_for
-from llmdeploy.engine.parallel.group import free_port, join, leave, rank_device
+from llmdeploy.engine.parallel.group import MASTER_ADDR, join, leave, rank_device
 from llmdeploy.engine.parallel.shard import check_split
 from llmdeploy.engine.parallel.step import Command, StepInputs, send_command, send_step
+from llmdeploy.spec.addresses import free_port
 
 log = logging.getLogger("llmdeploy.engine")
 WATCH_INTERVAL_S = 0.2
@@ -68,7 +69,7 @@ class Leader:
         self.config, self.dtype_reason = config, dtype_reason
         self.size, self.dtype = config.tensor_parallel, config.dtype
         self.device = rank_device(config.device, 0)
-        port = free_port()
+        port = free_port(MASTER_ADDR)
         # spawned from this (the main) thread: PR_SET_PDEATHSIG fires when the spawning thread ends
         self.procs = [subprocess.Popen(worker_command(config, r, port)) for r in range(1, self.size)]
         self.closing = False
