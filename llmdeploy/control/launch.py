@@ -44,6 +44,9 @@ class EngineHandle(Protocol):
 
     async def alive(self) -> bool: ...
 
+    async def wait_exit(self, timeout_s: float) -> None:
+        """Returns once the engine has exited or after timeout_s, whichever comes first."""
+
     def exit_description(self) -> str: ...
 
     def exit_code(self) -> int | None:
@@ -90,6 +93,27 @@ class LocalProcess:
         if self.proc is not None:
             return self.proc.poll() is None
         return pid_alive(self.pid)
+
+    async def wait_exit(self, timeout_s: float) -> None:
+        """At once on exit (the process's pidfd turns readable), so a crash is restarted without waiting out the
+        supervisor's poll; a plain wait where pidfds are missing (Linux < 5.3, other systems)."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return  # gone already
+        except (AttributeError, OSError):
+            await asyncio.sleep(timeout_s)
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
 
     def exit_description(self) -> str:
         if self.proc is None or self.proc.returncode is None:
@@ -151,6 +175,9 @@ class StartFailed:
 
     async def alive(self) -> bool:
         return False
+
+    async def wait_exit(self, timeout_s: float) -> None:
+        return None
 
     def exit_description(self) -> str:
         return f"could not start: {self.why}"

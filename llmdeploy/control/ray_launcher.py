@@ -199,6 +199,9 @@ class RayEngine:
             self._kill()
         return not self.gone and self.returncode is None
 
+    async def wait_exit(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)  # an exit is seen by polling the actor (alive)
+
     def _kill(self) -> None:
         with contextlib.suppress(self.launcher.ray.exceptions.RayError, ValueError):
             self.launcher.ray.kill(self.actor, no_restart=True)

@@ -250,7 +250,7 @@ class Supervisor:
                     and time.monotonic() - r.ready_since > BACKOFF_RESET_S
                 ):
                     r.crashes = 0
-                await asyncio.sleep(1.0 if r.ready else 0.2)
+                await self._pause(r, 1.0 if r.ready else 0.2)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not leave a replica silently unsupervised
@@ -280,6 +280,13 @@ class Supervisor:
         if launcher.adopts:  # a Ray replica ends with the daemon: nothing to re-adopt
             self.store.record_engine(r.revision, r.name, r.pid, r.port, r.restarts)
         log.info("engine rev %s %s started: pid %s at %s:%s", r.revision, r.name, r.pid, r.host, r.port)
+
+    async def _pause(self, r: Replica, seconds: float) -> None:
+        """Until the next look at the replica: `seconds`, cut short when its engine exits."""
+        if r.handle is None:
+            await asyncio.sleep(seconds)
+        else:
+            await r.handle.wait_exit(seconds)
 
     async def _alive(self, r: Replica) -> bool:
         return r.handle is not None and await r.handle.alive()
