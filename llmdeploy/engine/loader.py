@@ -198,7 +198,29 @@ def build_model(
             model = cls(config, backend, max_positions, shard)
     finally:
         torch.set_default_dtype(previous)
-    return model.to_empty(device=device)
+    return materialize(model, device)
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """What model.to_empty(device=device) does (uninitialised storage for every meta parameter and buffer), with
+    shared parameters kept shared and without to_empty's empty_like on meta tensors, whose Python reference ops
+    import torch's symbolic shapes and sympy: 0.6 s of every engine start (AMD EPYC Zen 3, 2026-12-08)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor, as_parameter: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if as_parameter else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p, as_parameter=True)  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = empty(b, as_parameter=False)
+    return model
 
 
 def speed_up(

@@ -56,7 +56,10 @@ def f32_pack(weight: torch.Tensor) -> torch.Tensor | None:
     w = weight.detach().contiguous()
     packed = huge_empty(-(-n // F32_TILE) * F32_TILE * k, torch.float32)
     return (
-        packed if native_build.library().llmd_f32_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
+        packed
+        if native_build.library().llmd_f32_pack(w.data_ptr(), n, k, packed.data_ptr(), native_build.threads())
+        == 0
+        else None
     )
 
 
@@ -122,7 +125,12 @@ def bf16_pack(weight: torch.Tensor) -> torch.Tensor | None:
     w = weight.detach().contiguous()
     packed = huge_empty(-(-n // F32_TILE) * F32_TILE * k, torch.bfloat16)
     return (
-        packed if native_build.library().llmd_bf16_pack(w.data_ptr(), n, k, packed.data_ptr()) == 0 else None
+        packed
+        if native_build.library().llmd_bf16_pack(
+            w.data_ptr(), n, k, packed.data_ptr(), native_build.threads()
+        )
+        == 0
+        else None
     )
 
 

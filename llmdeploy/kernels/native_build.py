@@ -112,10 +112,10 @@ SIGNATURES = {
     "llmd_has_avx512_bf16": [],
     "llmd_has_bf16_linear": [],
     "llmd_has_bf16_linear_avx2": [],
-    "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_f32_pack": [c_ptr, c_int64, c_int64, c_ptr, c_int],
     "llmd_f32_linear": LINEAR_ARGS,
     "llmd_f32_linear_avx2": LINEAR_ARGS,
-    "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr],
+    "llmd_bf16_pack": [c_ptr, c_int64, c_int64, c_ptr, c_int],
     "llmd_bf16_linear": LINEAR_ARGS,
     # x, x_stride, packed, y (float32), M, N, K, nthreads: the head screen's sums
     "llmd_bf16_linear_f32out": [c_ptr, c_int64, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int],

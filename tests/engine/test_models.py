@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmdeploy.engine.loader import load_model
+from llmdeploy.engine.loader import load_model, materialize
 from llmdeploy.engine.models import UnsupportedModelError
 from llmdeploy.engine.models.layers import PackedEmbedding, PackedLinear, onednn_linear_available
 from llmdeploy.engine.rope import UnsupportedRopeError
@@ -295,6 +295,26 @@ def test_tied_embeddings(model_dir):
     for dtype in ("float32", "bfloat16"):
         lm = load_model(str(model_dir("llama-tied")), dtype=dtype)
         assert torch.equal(lm.model.lm_head.weight, lm.model.model.embed_tokens.weight)
+
+
+def test_materialize_gives_meta_modules_storage_and_keeps_shared_weights_shared():
+    with torch.device("meta"):
+        embed, head, norm = (
+            torch.nn.Embedding(10, 4),
+            torch.nn.Linear(4, 10, bias=True),
+            torch.nn.LayerNorm(4),
+        )
+        head.weight = embed.weight
+        norm.register_buffer("scale", torch.ones(4, dtype=torch.bfloat16))
+        model = torch.nn.ModuleList([embed, head, norm])
+    assert materialize(model, torch.device("cpu")) is model
+    tensors = [*model.parameters(), *model.buffers()]
+    assert (
+        all(t.device.type == "cpu" for t in tensors) and len(tensors) == 5
+    )  # the shared weight counted once
+    assert head.weight is embed.weight and isinstance(head.weight, torch.nn.Parameter)
+    assert norm.scale.dtype == torch.bfloat16 and not isinstance(norm.scale, torch.nn.Parameter)
+    assert head.bias.shape == (10,) and head.bias.requires_grad
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -278,7 +278,8 @@ class LlamaForCausalLM(nn.Module):
         return [f"{prefix}.{by_shard[shard]}.weight" for shard in module.shard_offsets]
 
     def finish_loading(self, device: torch.device) -> None:
-        """After the weights are in place; re-ties because materialising a meta module unties shared weights."""
+        """After the weights are in place; re-ties the head, whatever put its weight in place (loader.materialize keeps
+        shared weights shared, torch's to_empty does not)."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin_cache = build_cos_sin_cache(

@@ -15,14 +15,19 @@ int llmd_has_avx512(void);      /* cpu_kernels.c */
 #define F32_NR 32
 #define F32_MR 12
 
-int llmd_f32_pack(const float *w, int64_t N, int64_t K, float *packed) {
+/* Tiles side by side on `nthreads`: packing is part of every engine start (SmolLM2's 478 MB of projections took 1.6 s
+ * on one thread, Zen 3), and a tile's 32 source rows walked in k order read each cache line once. */
+int llmd_f32_pack(const float *w, int64_t N, int64_t K, float *packed, int nthreads) {
     const int64_t tiles = (N + F32_NR - 1) / F32_NR;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t c = 0; c < F32_NR; c++) {
-                const int64_t n = t * F32_NR + c;
-                packed[(t * K + k) * F32_NR + c] = n < N ? w[n * K + k] : 0.0f;
-            }
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t real = N - t * F32_NR < F32_NR ? N - t * F32_NR : F32_NR;
+        float *out = packed + t * K * F32_NR;
+        for (int64_t k = 0; k < K; k++) {
+            for (int64_t c = 0; c < real; c++) out[k * F32_NR + c] = w[(t * F32_NR + c) * K + k];
+            for (int64_t c = real; c < F32_NR; c++) out[k * F32_NR + c] = 0.0f;
+        }
+    }
     return 0;
 }
 
@@ -197,16 +202,21 @@ int llmd_has_avx512_bf16(void) {
 #endif
 }
 
-int llmd_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
+int llmd_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed, int nthreads) {
     if (K % 2) return -1;
     const int64_t tiles = (N + BF16_NR - 1) / BF16_NR;
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t p = 0; p < K / 2; p++)
-            for (int64_t c = 0; c < BF16_NR; c++)
-                for (int64_t j = 0; j < 2; j++) {
-                    const int64_t n = t * BF16_NR + c;
-                    packed[((t * (K / 2) + p) * BF16_NR + c) * 2 + j] = n < N ? w[n * K + 2 * p + j] : 0;
-                }
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t real = N - t * BF16_NR < BF16_NR ? N - t * BF16_NR : BF16_NR;
+        uint16_t *out = packed + t * K * BF16_NR;
+        for (int64_t p = 0; p < K / 2; p++) {
+            for (int64_t c = 0; c < real; c++) {
+                out[(p * BF16_NR + c) * 2] = w[(t * BF16_NR + c) * K + 2 * p];
+                out[(p * BF16_NR + c) * 2 + 1] = w[(t * BF16_NR + c) * K + 2 * p + 1];
+            }
+            for (int64_t c = real; c < BF16_NR; c++) out[(p * BF16_NR + c) * 2] = out[(p * BF16_NR + c) * 2 + 1] = 0;
+        }
+    }
     return 0;
 }
 
