@@ -312,9 +312,9 @@ class Supervisor:
                 else f"{how} {r.crashes} times before becoming ready"
             )
             if r.added:
-                await self._drop_added(r, how, why, tail)
+                await self._drop_added(r, why, tail)
                 return False
-            r.failed, r.phase = True, f"failed: {how}"
+            r.failed, r.phase = True, f"failed: {why}"
             self.event(
                 "engine-failed",
                 f"engine {r.name} {why}; giving up",
@@ -343,12 +343,12 @@ class Supervisor:
         r.restart_pending = True
         return not r.stopping
 
-    async def _drop_added(self, r: Replica, how: str, why: str, tail: str) -> None:
+    async def _drop_added(self, r: Replica, why: str, tail: str) -> None:
         """An added replica that never became ready leaves the revision, which keeps serving without it."""
         reps = self.replicas.get(r.revision, [])
         if r in reps:
             reps.remove(r)
-        r.phase = f"failed: {how}"
+        r.phase = f"failed: {why}"
         self.failed_adds[r.revision] = time.monotonic()
         self.event(
             "engine-failed",

@@ -184,6 +184,8 @@ def events_of(st: dict, rev: int, kind: str) -> list[dict]:
 def test_a_candidate_that_cannot_load_its_model_fails_at_once_and_stable_keeps_serving(rig):
     r = rig["cli"].run("apply", str(rig["files"]["broken"]))
     assert r.returncode == 1 and "revision 2 failed to start" in r.stderr, r.stderr
+    assert "failed to start: failed: cannot load its model (exited with code 78)" in r.stderr, r.stderr
+    assert "has no place in" in r.stderr  # the engine's own words, from its log's tail
     st = rig["cli"].status(NAME)
     assert revision(st, 2)["state"] == "failed" and split_of(st) == {1: 100.0}
     assert pids_of(st, 2) == []
@@ -197,6 +199,7 @@ def test_a_candidate_that_cannot_load_its_model_fails_at_once_and_stable_keeps_s
 def test_a_candidate_crashing_before_ready_is_retried_then_given_up(rig):
     r = rig["cli"].run("apply", str(rig["files"]["hungry"]))
     assert r.returncode == 1 and "revision 3 failed to start" in r.stderr, r.stderr
+    assert "exited with code 1 3 times before becoming ready" in r.stderr, r.stderr
     st = rig["cli"].status(NAME)
     assert revision(st, 3)["state"] == "failed" and split_of(st) == {1: 100.0}
     (failed,) = events_of(st, 3, "engine-failed")

@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
+from bench import engine_start
 from llmdeploy.engine.loader import max_positions_of
 from llmdeploy.engine.model_config import kept_config_path, read_model_config
 from llmdeploy.engine.models.llama import head_dim_of
@@ -50,7 +51,10 @@ CONFIGS = {
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(tmp_path / "cache"))
+    """Kept configs apart from other tests'; the native kernels' build shared (a fresh one takes ~25 s)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LLMDEPLOY_CACHE_DIR", str(engine_start.linked_cache(cache)))
 
 
 def write_config(folder: Path, cls: str, **kwargs) -> Path:
