@@ -18,6 +18,7 @@ from llmdeploy.engine.loader import max_positions_of
 from llmdeploy.engine.model_config import kept_config_path, read_model_config
 from llmdeploy.engine.models.llama import head_dim_of
 from llmdeploy.engine.rope import rope_inv_freq
+from tests.engine.test_models import LLAMA3
 
 SMALL = dict(
     vocab_size=300,
@@ -28,17 +29,9 @@ SMALL = dict(
     num_key_value_heads=2,
     max_position_embeddings=4096,
 )
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 1024,
-}
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
-    "llama3-rope": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "llama3-rope": ("LlamaConfig", {"rope_parameters": LLAMA3, "tie_word_embeddings": True}),
     "llama-yarn": (
         "LlamaConfig",
         {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
