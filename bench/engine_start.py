@@ -135,6 +135,8 @@ def first_and_restart(model: str, reps: int, tmp: Path) -> dict[str, list[dict[s
 
 
 def against(model: str, reps: int, tmp: Path, other: str) -> dict[str, list[dict[str, float]]]:
+    for side in ("this", "other"):
+        (tmp / side).mkdir()
     envs = {"this": engine_env(tmp / "this"), other: engine_env(tmp / "other", other)}
     for env in envs.values():
         start_once(model, env)  # keeps its measures and config
@@ -156,8 +158,6 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.against:
-            for side in ("this", "other"):
-                (Path(tmp) / side).mkdir()
             runs = against(args.model, args.reps, Path(tmp), str(Path(args.against).resolve()))
         else:
             runs = first_and_restart(args.model, args.reps, Path(tmp))

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmdeploy.engine.start_measures import kept_path, read_kept, write_kept
+from llmdeploy.engine.kept_files import read_kept, write_kept
+from llmdeploy.engine.start_measures import kept_path
 from llmdeploy.kernels.cpu_flags import cpu_flags
 from llmdeploy.policies.dtype_auto import MIN_SPEEDUP, ROWS
 

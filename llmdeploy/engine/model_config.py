@@ -19,7 +19,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from llmdeploy.engine.start_measures import read_kept, write_kept
+from llmdeploy.engine.kept_files import read_kept, write_kept
 from llmdeploy.engine.weights_cache import cache_root
 
 log = logging.getLogger("llmdeploy.engine")

@@ -15,14 +15,12 @@ store keeps `dtype: auto`'s timed choice on CPUs with bf16 units (engine/cpu_dty
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import math
 import os
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import torch
 
 import llmdeploy
 from llmdeploy.engine.config import EngineConfig
+from llmdeploy.engine.kept_files import read_kept, write_kept
 from llmdeploy.engine.load_stats import CostPoint
 from llmdeploy.engine.weights_cache import cache_root
 from llmdeploy.kernels.cpu_flags import cpuinfo_lines
@@ -37,7 +36,6 @@ from llmdeploy.spec.sources import ModelSource, weight_files
 
 log = logging.getLogger("llmdeploy.engine")
 FORMAT_VERSION = 1  # bump when what a file holds changes
-KEEP = 64  # files kept; older ones are removed when a new one is written
 # LLMDEPLOY_* names never read into a key: secrets, and what names a process or a folder rather than a kernel (the
 # daemon's owner tag differs per replica and revision, which share their measures)
 NOT_KERNEL_WORDS = ("TOKEN", "KEY", "SECRET", "PASS", "OWNER", "HOME", "CACHE_DIR")
@@ -114,36 +112,6 @@ def measures_path(
         return None
 
 
-def read_kept(path: Path | None) -> dict | None:
-    """The JSON object kept at `path`; None where there is none or it is not whole (then it is measured again)."""
-    if path is None:
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("kept file %s unreadable (%s): made again", path, exc)
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_kept(path: Path | None, data: dict) -> None:
-    """Best effort: written whole (a temporary file renamed into place) or not at all."""
-    if path is None:
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-        prune(path.parent)
-    except OSError as exc:
-        log.warning("not kept in %s: %s", path.parent, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
 def read_measures(path: Path | None) -> StartMeasures | None:
     """The engine's measures kept at `path`, None where there are none or they are not whole."""
     data = read_kept(path)
@@ -177,14 +145,3 @@ def write_measures(path: Path | None, measures: StartMeasures) -> None:
             "calibration": [[p.prefill_tokens, p.decodes, p.seconds] for p in measures.calibration],
         },
     )
-
-
-def prune(folder: Path, keep: int = KEEP) -> None:
-    """The `keep` newest files stay (every test model, every changed option makes one)."""
-    dated = []
-    for f in folder.glob("*.json"):
-        with contextlib.suppress(OSError):  # another engine may have removed it since
-            dated.append((f.stat().st_mtime_ns, f))
-    for _, old in sorted(dated, reverse=True)[keep:]:
-        with contextlib.suppress(OSError):
-            old.unlink()

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from llmdeploy.engine import attn_probe, start_measures
+from llmdeploy.engine import attn_probe, kept_files, start_measures
 from llmdeploy.engine.config import EngineConfig
 from llmdeploy.engine.model_runner import ModelRunner
 
@@ -141,5 +141,5 @@ def test_only_the_newest_files_are_kept(tmp_path):
         f = tmp_path / f"{i}.json"
         f.write_text("{}")
         os.utime(f, ns=(i * 10**9, i * 10**9))
-    start_measures.prune(tmp_path, keep=3)
+    kept_files.prune(tmp_path, keep=3)
     assert sorted(f.name for f in tmp_path.iterdir()) == ["2.json", "3.json", "4.json"]
